@@ -69,6 +69,30 @@ def probe_timeout(default=180.0):
     return value
 
 
+def triton_interpret():
+    """``TRITON_INTERPRET`` (Triton's own switch): true when Triton runs kernels in its CPU interpreter.
+
+    Not ours to reject, so anything but 1/true/yes/on reads as off, as Triton reads it.
+    """
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# Which devices a process sees; part of the record's fingerprint, never interpreted.
+VISIBLE_DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ILUVATAR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+# Set by the CoreX SDK's environment scripts: a vendor signal, reported as found.
+COREX_VARIABLES = ("COREX_HOME", "COREX_PATH", "COREX_ROOT")
+
+
+def visible_devices():
+    """The device-selection variables that are set, as ``{name: value}``."""
+    return {name: os.environ[name] for name in VISIBLE_DEVICE_VARIABLES if name in os.environ}
+
+
+def corex_environment():
+    """The CoreX SDK variables that are set and non-empty, as ``{name: value}``."""
+    return {name: os.environ[name] for name in COREX_VARIABLES if os.environ.get(name, "").strip()}
+
+
 def state_dir():
     """Where the decision record lives: ``BIV100_PATCH_HOME`` (an absolute path) or the user cache dir."""
     raw = os.environ.get("BIV100_PATCH_HOME", "").strip()

@@ -1,0 +1,244 @@
+"""The ladder's steps 2-5 and the device reading, run only in the probe's child process.
+
+Each step takes the child's context (``device``: what ``detect_device`` read, ``results``: the
+details of earlier steps) and returns its details, or raises: the exception's text is recorded.
+"""
+
+import math
+import statistics
+import time
+
+import torch
+
+from biv100_patch.kernels import contract, get_backend, limits as kernel_limits
+
+from . import detect
+
+# Triton vs PyTorch backend, |triton - torch| <= atol + rtol * |torch| (the kernels' contract;
+# bfloat16 from the golden table, where vLLM itself sits near 1.2e-2 of an fp64 reference).
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (2e-2, 1.6e-2)}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TRIVIAL_SIZE = 1000
+BENCH_SHAPES = (
+    # A 7B-class model's decode: 32 query heads over 8 kv heads, head 128, 16-token blocks.
+    {"name": "decode-v1", "kernel": "v1", "num_seqs": 32, "seq_len": 1024},
+    {"name": "decode-v2", "kernel": "v2", "num_seqs": 4, "seq_len": 4096},
+)
+BENCH_HEADS, BENCH_KV_HEADS, BENCH_HEAD_SIZE, BENCH_BLOCK = 32, 8, 128, 16
+BENCH_WARMUP, BENCH_REPEATS = 3, 20
+
+
+class StepFailure(RuntimeError):
+    """A step's finding, with the details that explain it kept for the record."""
+
+    def __init__(self, message, details):
+        super().__init__(message)
+        self.details = details
+
+
+def _device(context):
+    index = context["device"].get("index")
+    return torch.device("cpu") if index is None else torch.device("cuda", index)
+
+
+def detect_device(context):
+    """The device's properties (torch, then Triton's driver); the CPU under Triton's interpreter."""
+    index = context["device_index"]
+    if not torch.cuda.is_available():
+        return {"index": None, "name": "cpu", "capability": None, "multiprocessor_count": None,
+                "total_memory": None, "uuid": None, "warp_size": None, "shared_memory_per_block": None,
+                "sources": {}}
+    torch.cuda.set_device(index)
+    return detect.device_properties(torch, index, detect.triton_device_properties(index))
+
+
+def device_limits(context):
+    """The kernels' DeviceLimits for the probed device (read the same way the kernels read them)."""
+    device = _device(context)
+    if device.type == "cpu":
+        return None
+    return kernel_limits.DeviceLimits.from_torch_device(device)
+
+
+def trivial_kernel(context):
+    """Compile ``out = 2 * x + y`` and check every element, exactly (float32)."""
+    from . import _trivial_kernel
+
+    device = _device(context)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(TRIVIAL_SIZE, generator=generator).to(device)
+    y = torch.randn(TRIVIAL_SIZE, generator=generator).to(device)
+    start = time.perf_counter()
+    out = _trivial_kernel.scaled_add(x, y)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    expected = 2 * x + y
+    wrong = int((out != expected).sum())
+    details = {"elements": TRIVIAL_SIZE, "first_call_seconds": round(seconds, 3), "wrong_elements": wrong}
+    if wrong:
+        raise StepFailure(f"{wrong} of {TRIVIAL_SIZE} elements of 2*x+y are wrong", details)
+    return details
+
+
+def make_paged_case(*, kernel, head_size, block_size, dtype, kv_cache_dtype="auto", device="cpu",
+                    num_seqs=2, num_heads=4, num_kv_heads=2, seq_lens=None, seed=0):
+    """Inputs of one decode call in vLLM's layouts, blocks scattered over a shuffled pool.
+
+    The v2 case spans two 512-token partitions; the last block of each sequence is partly used.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if seq_lens is None:
+        seq_lens = [contract.PARTITION_SIZE + block_size + 3, 5] if kernel == "v2" else [3 * block_size + 5, 1]
+        seq_lens = (seq_lens * num_seqs)[:num_seqs]
+    fp8 = kv_cache_dtype != "auto"
+    x = 16 if fp8 else 16 // torch.empty((), dtype=dtype).element_size()
+    blocks_per_seq = [math.ceil(length / block_size) for length in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    width = max(blocks_per_seq)
+    pool = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    block_tables = torch.zeros(num_seqs, width, dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(blocks_per_seq):
+        block_tables[row, :count] = pool[used:used + count]
+        used += count
+    key = torch.randn(num_blocks, num_kv_heads, head_size // x, block_size, x, generator=generator)
+    value = torch.randn(num_blocks, num_kv_heads, head_size, block_size, generator=generator)
+    scale_k = scale_v = 1.0
+    if fp8:
+        scale_k = scale_v = 0.02
+        fp8_type = torch.float8_e4m3fn if kv_cache_dtype in ("fp8", "fp8_e4m3") else torch.float8_e5m2
+        key = (key / scale_k).clamp(-448, 448).to(fp8_type).view(torch.uint8)
+        value = (value / scale_v).clamp(-448, 448).to(fp8_type).view(torch.uint8)
+    else:
+        key, value = key.to(dtype), value.to(dtype)
+    query = (1.5 * torch.randn(num_seqs, num_heads, head_size, generator=generator)).to(dtype)
+    max_seq_len = max(seq_lens)
+    case = {
+        "query": query.to(device), "key_cache": key.to(device), "value_cache": value.to(device),
+        "num_kv_heads": num_kv_heads, "scale": head_size ** -0.5, "block_tables": block_tables.to(device),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32).to(device), "block_size": block_size,
+        "max_seq_len": max_seq_len, "alibi_slopes": None, "kv_cache_dtype": kv_cache_dtype,
+        "k_scale": scale_k, "v_scale": scale_v,
+    }
+    return case
+
+
+def run_backend(backend, kernel, case):
+    """Call ``backend``'s v1 or v2 op on ``case`` and return ``out``."""
+    query = case["query"]
+    out = torch.empty_like(query)
+    arguments = dict(case)
+    if kernel == "v2":
+        partitions = math.ceil(case["max_seq_len"] / contract.PARTITION_SIZE)
+        num_seqs, num_heads, head_size = query.shape
+        float_options = {"dtype": torch.float32, "device": query.device}
+        backend.paged_attention_v2(out, torch.empty(num_seqs, num_heads, partitions, **float_options),
+                                   torch.empty(num_seqs, num_heads, partitions, **float_options),
+                                   torch.empty(num_seqs, num_heads, partitions, head_size, dtype=query.dtype,
+                                               device=query.device), **arguments)
+    else:
+        backend.paged_attention_v1(out, **arguments)
+    return out
+
+
+def _kernel_variants(context):
+    """The variants the patch would use on this device (the kernels' own list)."""
+    from biv100_patch.kernels import variants
+
+    return variants.probe_variants(device_limits(context))
+
+
+def variants_match(context):
+    """Each variant against the PyTorch backend on a small paged case, within the contract tolerance."""
+    device = _device(context)
+    triton_backend = get_backend("triton", limits=device_limits(context))
+    torch_backend = get_backend("torch")
+    compared, failures = [], []
+    for variant in _kernel_variants(context):
+        dtype = DTYPES[variant["dtype"]]
+        entry = {key: variant[key] for key in ("kernel", "head_size", "block_size", "dtype", "kv_cache_dtype")}
+        case = make_paged_case(kernel=variant["kernel"], head_size=variant["head_size"],
+                               block_size=variant["block_size"], dtype=dtype,
+                               kv_cache_dtype=variant["kv_cache_dtype"], device=device)
+        try:
+            expected = run_backend(torch_backend, variant["kernel"], case).float()
+            got = run_backend(triton_backend, variant["kernel"], case).float()
+        except Exception as error:
+            entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            failures.append(entry)
+            compared.append(entry)
+            continue
+        atol, rtol = TOLERANCES[dtype]
+        excess = ((got - expected).abs() - rtol * expected.abs()).max().item()
+        entry["max_abs_diff"] = (got - expected).abs().max().item()
+        entry["ok"] = bool(torch.isfinite(got).all()) and excess <= atol
+        if not entry["ok"]:
+            entry["error"] = f"differs from the PyTorch backend by {entry['max_abs_diff']:.3g} (atol {atol:g})"
+            failures.append(entry)
+        compared.append(entry)
+    details = {"variants": compared, "compared": len(compared), "failed": len(failures)}
+    if not compared:
+        raise StepFailure("the kernels list no variant for this device", details)
+    if failures:
+        first = failures[0]
+        raise StepFailure(f"{len(failures)} of {len(compared)} variants failed; first: {first['kernel']} "
+                          f"head {first['head_size']} block {first['block_size']} {first['dtype']} "
+                          f"{first['kv_cache_dtype']}: {first['error']}", details)
+    return details
+
+
+def shared_memory(context):
+    """Every Triton variant compiled for this device's capability fits its shared memory per block."""
+    from biv100_patch.kernels import variants
+
+    limits = device_limits(context)
+    if limits is None:
+        return {"skipped": "no device: the interpreter has no shared-memory limit"}
+    entries = variants.compile_variants(limits.capability, limits.shared_memory_per_block)
+    too_big = [entry for entry in entries if not entry["ok"]]
+    details = {"limit": limits.shared_memory_per_block, "compiled": len(entries),
+               "largest": max((entry["shared_bytes"] or 0 for entry in entries), default=0),
+               "failed": [{key: entry.get(key) for key in ("kernel", "head_size", "block_size", "dtype",
+                                                            "kv_cache_dtype", "shared_bytes", "error")}
+                          for entry in too_big]}
+    if too_big:
+        first = too_big[0]
+        raise StepFailure(f"{len(too_big)} of {len(entries)} variants do not fit {limits.shared_memory_per_block}"
+                          f" bytes; first: {first['kernel']} head {first['head_size']} block "
+                          f"{first['block_size']} {first['dtype']}: {first.get('error') or first['shared_bytes']}",
+                          details)
+    return details
+
+
+def _median_seconds(function, device):
+    for _ in range(BENCH_WARMUP):
+        function()
+    times = []
+    for _ in range(BENCH_REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        function()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench(context):
+    """Median wall time of both backends on representative decode shapes (fp16)."""
+    device = _device(context)
+    backends = {"triton": get_backend("triton", limits=device_limits(context)), "torch": get_backend("torch")}
+    shapes = []
+    for shape in BENCH_SHAPES:
+        case = make_paged_case(kernel=shape["kernel"], head_size=BENCH_HEAD_SIZE, block_size=BENCH_BLOCK,
+                               dtype=torch.float16, device=device, num_seqs=shape["num_seqs"],
+                               num_heads=BENCH_HEADS, num_kv_heads=BENCH_KV_HEADS,
+                               seq_lens=[shape["seq_len"]] * shape["num_seqs"])
+        entry = dict(shape)
+        for name, backend in backends.items():
+            entry[f"{name}_median_s"] = _median_seconds(lambda: run_backend(backend, shape["kernel"], case), device)
+        entry["speedup"] = entry["torch_median_s"] / entry["triton_median_s"]
+        shapes.append(entry)
+    return {"shapes": shapes, "repeats": BENCH_REPEATS, "warmup": BENCH_WARMUP}
