@@ -1,0 +1,285 @@
+"""The PyTorch backend: vLLM's paged-attention decode (v1 and v2) with tensor ops only.
+
+The fallback where Triton is not viable, and the CPU path. ``forward(call)`` takes a validated
+``contract.DecodeCall`` and writes ``out`` (v1) or ``out``, ``max_logits``, ``exp_sums`` and
+``tmp_out`` (v2) in place.
+
+How it works. Work is split into tiles of (a chunk of sequences) x (a run of 512-token
+partitions); within a tile everything is batched over sequences, KV heads, partitions and the
+query heads of a group. Per tile::
+
+    K, V   index_select of the tile's cache blocks through the block table, cache dtype or fp8 decoded
+           K [kv_heads, seqs, partitions, 512, head_size]  (one gather each, laid out for bmm)
+    logits bmm(q group [G, D], K^T) in float32, * scale, + ALiBi, masked past the sequence end
+    per partition: max, sum of exp, probabilities / (sum + 1e-6) rounded to the query dtype (vLLM's
+           rounding), bmm with V accumulated in float32 -> the partition's normalised output
+
+Then, per chunk of sequences, the partitions are reduced into ``out`` with vLLM's rescaling
+(``w_p = exp_sum_p * exp(max_p - max)``, ``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, one
+partition copied). v2 writes its three per-partition outputs only for partitions
+``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query dtype, like
+vLLM's reduce kernel); v1 reduces from float32 partition outputs. seq_len 0 gives zeros.
+
+Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included:
+their logits become -inf, and V is zeroed in each sequence's last partition (one partition per
+sequence, the only one that mixes used and unused slots); partitions wholly past the end are
+computed on whatever the clamped indices read and then discarded.
+
+Matmul precision. Where ``torch.bmm`` takes ``out_dtype`` for the device (CUDA on torch >= 2.8)
+the gathered cache stays in its dtype and the products accumulate and come out in float32;
+elsewhere (CPU, older torch) K, V and the probabilities are upcast to float32 first. Both give
+float32 logits and float32 accumulation of exactly the rounded probabilities.
+
+Peak extra memory. A tile's working set (gathered K and V, their float32 copies where needed,
+fp8 lookup indices, and float32 logits / probabilities) is estimated per token and kept under
+``MAX_TILE_BYTES`` (256 MiB); a tile never shrinks below one partition of one sequence, so the
+bound is ``max(MAX_TILE_BYTES, 512 * bytes_per_token)``, plus float32 partition outputs
+``[chunk_seqs, num_heads, max_num_partitions, head_size]`` (about ``4 * G / 512`` of the gathered V
+bytes) per chunk.
+
+Bad tables (documented decision). A sequence whose used block-table entries leave
+``[0, num_blocks)``, whose seq_len needs more columns than ``block_tables`` has, or whose seq_len is
+negative or > max_seq_len is never read or written out of bounds (indices are clamped): its
+``out`` and its written partition entries become NaN. ``validate_tables=True`` (the backend's
+option, ``BIV100_PATCH_VALIDATE=1``) raises ``ValueError`` for these before anything is written.
+
+No host synchronisation: sizes come from ``max_seq_len`` and the tensors' shapes, ``k_scale`` /
+``v_scale`` tensors stay on the device.
+"""
+
+import math
+
+import torch
+
+from . import fp8
+from .contract import PARTITION_SIZE
+
+MAX_TILE_BYTES = 256 * 1024 * 1024
+FLT_MAX = 3.4028234663852886e38  # vLLM's logit for tokens a block-sparse head skips
+_MIXED_BMM = {}
+
+
+def _bmm_float32_out(device, dtype):
+    """Whether ``torch.bmm(a, b, out_dtype=torch.float32)`` works for ``dtype`` inputs on ``device``."""
+    if dtype == torch.float32:
+        return True
+    key = (device.type, dtype)
+    if key not in _MIXED_BMM:
+        probe = torch.zeros(1, 1, 1, dtype=dtype, device=device)
+        try:
+            _MIXED_BMM[key] = torch.bmm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MIXED_BMM[key] = False
+    return _MIXED_BMM[key]
+
+
+def _bmm32(a, b, mixed):
+    """float32 ``a @ b`` (batched) accumulated in float32."""
+    if a.dtype == b.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if mixed:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def _bytes_per_token(call, mixed):
+    """Working-set bytes of one cached token of one sequence (all heads) inside a tile."""
+    elem = call.query.element_size()
+    per_dim = 2 * elem                       # gathered K and V in the query dtype
+    if call.kv_cache_dtype != "auto":
+        per_dim += 2 * (1 + 4)                # gathered fp8 bytes and their int32 lookup indices
+    if not mixed:
+        per_dim += 2 * 4                      # float32 copies of K and V
+    per_head = 4 * 4 + 2 * elem               # logits, exp, probabilities (float32), rounded copy
+    return call.num_kv_heads * call.head_size * per_dim + call.num_heads * per_head
+
+
+def _plan(call, mixed):
+    """(columns per partition, chunk of sequences, partitions per tile) for this call."""
+    partitions = call.max_num_partitions
+    block_size = call.block_size
+    if partitions > 1:
+        columns = PARTITION_SIZE // block_size
+    else:  # a single partition only needs max_seq_len tokens
+        columns = (call.max_seq_len + block_size - 1) // block_size
+    tokens = columns * block_size
+    per_partition = tokens * _bytes_per_token(call, mixed)
+    per_sequence = per_partition * partitions
+    if per_sequence <= MAX_TILE_BYTES:
+        return columns, max(1, MAX_TILE_BYTES // per_sequence), partitions
+    return columns, 1, max(1, MAX_TILE_BYTES // per_partition)
+
+
+def _bad_sequences(call, lens):
+    """bool [num_seqs]: sequences whose table or length would read out of bounds (see module docstring)."""
+    used_blocks = (lens.clamp(min=0) + call.block_size - 1) // call.block_size
+    columns = call.block_tables.shape[1]
+    bad = (lens < 0) | (lens > call.max_seq_len) | (used_blocks > columns)
+    if columns:
+        tables = call.block_tables.long()
+        used = torch.arange(columns, device=lens.device)[None, :] < used_blocks[:, None]
+        bad |= (used & ((tables < 0) | (tables >= call.num_blocks))).any(dim=1)
+    return bad
+
+
+def _cache_views(call):
+    """K as [kv_heads, blocks, block_size, head_size / x, x] and V as [kv_heads, blocks, block_size, head_size]."""
+    return call.key_cache.permute(1, 0, 3, 2, 4), call.value_cache.permute(1, 0, 3, 2)
+
+
+def _head_offsets(call, device):
+    """Block-sparse head offset of each query head, shaped [kv_heads, 1, 1, group, 1]."""
+    sparse = call.blocksparse
+    heads = torch.arange(call.num_heads, device=device)
+    if sparse.head_sliding_step >= 0:
+        offsets = (sparse.tp_rank * call.num_heads + heads) * sparse.head_sliding_step + 1
+    else:
+        kv_heads = heads // call.queries_per_kv
+        offsets = (sparse.tp_rank * call.num_kv_heads + kv_heads) * (-sparse.head_sliding_step) + 1
+    return offsets.view(call.num_kv_heads, 1, 1, call.queries_per_kv, 1)
+
+
+def _tile(call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables):
+    """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``.
+
+    Returns tensors shaped [chunk, num_heads, tile_partitions] (x head_size for the output).
+    """
+    device = call.query.device
+    kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
+    block_size, num_blocks = call.block_size, call.num_blocks
+    num_seqs, num_parts = seqs.stop - seqs.start, parts.stop - parts.start
+    width = columns * block_size  # tokens per partition in this call
+    key_view, value_view = views
+
+    # Block ids of the tile; unused and out-of-range entries read block 0 (masked or discarded later).
+    cols = torch.arange(parts.start * columns, parts.stop * columns, device=device)
+    seq_lens = lens[seqs]
+    used = cols[None, :] < ((seq_lens.clamp(min=0) + block_size - 1) // block_size)[:, None]
+    if tables.shape[1]:
+        entries = tables[seqs][:, cols.clamp(max=tables.shape[1] - 1)]
+        used &= (cols < tables.shape[1])[None, :] & (entries >= 0) & (entries < num_blocks)
+        blocks = torch.where(used, entries, 0).reshape(-1)
+    else:
+        blocks = torch.zeros(num_seqs * cols.numel(), dtype=torch.long, device=device)
+
+    shape = (kv_heads, num_seqs, num_parts, width, head_size)
+    keys = torch.index_select(key_view, 1, blocks).view(shape)
+    values = torch.index_select(value_view, 1, blocks).view(shape)
+    if scaled_tables is not None:  # fp8: one lookup decodes and applies vLLM's scale and rounding
+        keys = scaled_tables[0][keys.to(torch.int32)]
+        values = scaled_tables[1][values.to(torch.int32)]
+
+    tokens = (torch.arange(parts.start, parts.stop, device=device)[:, None] * width
+              + torch.arange(width, device=device)[None, :])                       # [parts, width]
+    valid = tokens[None] < seq_lens[:, None, None]                                 # [seqs, parts, width]
+
+    # Zero V past the end in each sequence's last partition (0 * NaN would poison the sum).
+    last = ((seq_lens.clamp(min=1) + PARTITION_SIZE - 1) // PARTITION_SIZE - 1 - parts.start)
+    last = last.clamp(0, num_parts - 1)
+    rows = torch.arange(num_seqs, device=device)
+    values[:, rows, last] = torch.where(valid[rows, last][None, :, :, None], values[:, rows, last], 0)
+
+    query = call.query[seqs].unflatten(1, (kv_heads, group)).permute(1, 0, 2, 3)   # [kv, seqs, G, D]
+    query = query[:, :, None].expand(kv_heads, num_seqs, num_parts, group, head_size)
+    batch = kv_heads * num_seqs * num_parts
+    logits = _bmm32(query.reshape(batch, group, head_size),
+                    keys.reshape(batch, width, head_size).transpose(1, 2), mixed)
+    logits = logits.view(kv_heads, num_seqs, num_parts, group, width) * call.scale
+    if call.alibi_slopes is not None:
+        position = (tokens[None] - seq_lens[:, None, None] + 1).float()[None, :, :, None, :]
+        logits = logits + call.alibi_slopes.view(kv_heads, 1, 1, group, 1) * position
+    valid = valid[None, :, :, None, :]
+    logits = torch.where(valid, logits, -math.inf)
+    keep = None
+    if call.blocksparse is not None:
+        sparse = call.blocksparse
+        key_blocks = (tokens // block_size) * block_size // sparse.block_size            # [parts, width]
+        query_blocks = ((seq_lens - 1) // sparse.block_size)[None, :, None, None, None]
+        keep = ((key_blocks + _head_offsets(call, device)) % sparse.vert_stride == 0) \
+            | (key_blocks > query_blocks - sparse.local_blocks)
+        logits = torch.where(valid & ~keep, -FLT_MAX, logits)
+
+    top = logits.amax(dim=-1)
+    weights = torch.exp(logits - top[..., None])
+    total = weights.sum(dim=-1)
+    probs = weights * (1.0 / (total + 1e-6))[..., None]
+    if keep is not None:  # skipped tokens count in the sum but their V is never read
+        probs = torch.where(keep, probs, 0.0)
+    probs = probs.to(call.query.dtype)
+    outputs = _bmm32(probs.view(batch, group, width), values.reshape(batch, width, head_size), mixed)
+
+    def by_head(tensor):  # [kv, seqs, parts, G, ...] -> [seqs, heads, parts, ...]
+        tensor = tensor.permute(1, 0, 3, 2, *range(4, tensor.dim()))
+        return tensor.reshape(num_seqs, kv_heads * group, num_parts, *tensor.shape[4:])
+
+    return by_head(top), by_head(total), by_head(outputs.view(kv_heads, num_seqs, num_parts, group, head_size))
+
+
+def forward(call):
+    """Run one validated decode call (``contract.DecodeCall``), writing its outputs in place."""
+    device = call.query.device
+    num_seqs, num_heads, head_size = call.num_seqs, call.num_heads, call.head_size
+    partitions = call.max_num_partitions
+    if num_seqs == 0:
+        return
+    lens = call.seq_lens.long()
+    bad = _bad_sequences(call, lens)
+    parts_used = ((lens.clamp(min=0) + PARTITION_SIZE - 1) // PARTITION_SIZE).clamp(max=partitions)
+
+    if partitions == 0 or call.num_blocks == 0:  # nothing can be read: zeros, NaN for bad sequences
+        call.out.copy_(torch.where(bad[:, None, None], math.nan, 0.0).expand(call.out.shape))
+        if call.is_v2:
+            for buffer in (call.max_logits, call.exp_sums, call.tmp_out):
+                written = (torch.arange(partitions, device=device)[None, :] < parts_used[:, None])
+                mask = (written & bad[:, None]).view(num_seqs, 1, partitions, *([1] * (buffer.dim() - 3)))
+                region = buffer[:, :, :partitions]
+                region.copy_(torch.where(mask, math.nan, region))
+        return
+
+    compute_dtype = call.query.dtype
+    mixed = _bmm_float32_out(device, compute_dtype)
+    scaled_tables = None
+    if call.kv_cache_dtype != "auto":
+        # Where the matmuls upcast anyway, decode straight to float32 (rounded to the query dtype first).
+        table_dtype = compute_dtype if mixed else torch.float32
+        scaled_tables = tuple(fp8.scaled_table(call.kv_cache_dtype, scale, compute_dtype, device).to(table_dtype)
+                              for scale in (call.k_scale, call.v_scale))
+    columns, chunk, tile_parts = _plan(call, mixed)
+    views = _cache_views(call)
+    tables = call.block_tables.long()
+    part_ids = torch.arange(partitions, device=device)
+
+    for start in range(0, num_seqs, chunk):
+        seqs = slice(start, min(start + chunk, num_seqs))
+        count = seqs.stop - seqs.start
+        tops = torch.empty(count, num_heads, partitions, device=device)
+        totals = torch.empty_like(tops)
+        outs = torch.empty(count, num_heads, partitions, head_size, device=device)
+        for first in range(0, partitions, tile_parts):
+            parts = slice(first, min(first + tile_parts, partitions))
+            tops[:, :, parts], totals[:, :, parts], outs[:, :, parts] = _tile(
+                call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables)
+
+        written = (part_ids[None, :] < parts_used[seqs, None])[:, None, :]         # [seqs, 1, parts]
+        seq_bad = bad[seqs].view(count, 1, 1)
+        tops = torch.where(seq_bad, math.nan, tops)
+        totals = torch.where(seq_bad, math.nan, totals)
+        outs = torch.where(seq_bad[..., None], math.nan, outs)
+        if call.is_v2:
+            for buffer, values in ((call.max_logits, tops), (call.exp_sums, totals)):
+                region = buffer[seqs, :, :partitions]
+                region.copy_(torch.where(written, values, region))
+            region = call.tmp_out[seqs, :, :partitions]
+            rounded = outs.to(call.tmp_out.dtype)
+            region.copy_(torch.where(written[..., None], rounded, region))
+            outs = rounded.float()  # vLLM's reduce reads tmp_out in the query dtype
+
+        # vLLM's reduce: w_p = exp_sum_p * exp(max_p - max), out = sum_p out_p * w_p / (sum_p w_p + 1e-6).
+        best = torch.where(written, tops, -math.inf).amax(dim=-1, keepdim=True)
+        rescaled = torch.where(written, totals * torch.exp(tops - best), 0.0)
+        inverse = 1.0 / (rescaled.sum(dim=-1, keepdim=True) + 1e-6)
+        reduced = (torch.where(written[..., None], outs, 0.0) * (rescaled * inverse)[..., None]).sum(dim=2)
+        single = (parts_used[seqs] == 1).view(count, 1, 1)
+        reduced = torch.where(single, outs[:, :, 0], reduced)
+        reduced = torch.where(seq_bad, math.nan, reduced)
+        call.out[seqs].copy_(reduced)
