@@ -111,6 +111,18 @@ def bench_us(fn, device, warmup_ms, rep_ms):
     return 1e6 * statistics.median(times)
 
 
+def few_calls_us(fn, device, calls):
+    """Median of ``calls`` synchronised calls in microseconds, for calls too slow for ``bench_us``."""
+    times = []
+    for _ in range(calls):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
 def host_call_us(fn, device, calls, rounds=5):
     """Host-side cost of one ``fn()`` call in microseconds: the Python call alone, no device wait.
 
@@ -157,7 +169,10 @@ class Progress:
             self.bar = None
             print(f"{description}: {total} steps", file=sys.stderr, flush=True)
         else:
-            self.bar = tqdm(total=total, desc=description, file=sys.stderr, dynamic_ncols=True)
+            # Off a terminal (a log, a remote run) redraw rarely: each redraw is a line in the log.
+            interactive = sys.stderr.isatty()
+            self.bar = tqdm(total=total, desc=description, file=sys.stderr, dynamic_ncols=True,
+                            mininterval=0.1 if interactive else 15.0)
 
     def step(self, label):
         self.count += 1
