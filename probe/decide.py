@@ -192,6 +192,8 @@ def _probe(host, version_report, index, bench, timeout, progress, torch):
     if outcome["device_error"]:
         device["error"] = outcome["device_error"]
     decision = decide_from_checks(outcome["checks"], timeout, bench)
+    if decision["backend"] != "triton":
+        log_once(logging.WARNING, f"biv100-patch probe: {decision['reason']}")
     return _base_record(host, version_report, device, outcome["checks"], decision, bench, started)
 
 

@@ -78,8 +78,8 @@ class Store:
         """Why records here must not be trusted (None when the directory is private to us or absent)."""
         try:
             status = os.stat(self.directory)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # absent: prepare() says whether it can be made
         except OSError as error:
             return f"state directory {self.directory} cannot be read: {error.strerror or error}"
         if not os.path.isdir(self.directory):
@@ -111,7 +111,7 @@ class Store:
         return filelock.FileLock(os.path.join(self.directory, LOCK_NAME), timeout=timeout)
 
     def read(self, key=None, path=None):
-        """``(record, problem)``: the record, or None with why (None problem: there is none yet)."""
+        """``(record, None)``, or ``(None, why not)``; ``(None, None)`` when there is no record yet."""
         path = path or self.record_path(key)
         problem = self.trust_problem()
         if problem:
@@ -129,7 +129,8 @@ class Store:
             record = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as error:
             return None, f"record {path} is corrupt: {error}"
-        return record, validation_problem(record, path)
+        problem = validation_problem(record, path)
+        return (None, problem) if problem else (record, None)
 
     def scan(self):
         """``[(record, problem), ...]`` for every record file here (problem None for a usable one)."""
@@ -189,10 +190,13 @@ class Store:
         except OSError:
             pass
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as error:
             return f"events file {path} cannot be written: {error.strerror or error}"
         try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line  # end a line cut by a killed writer, so this one stays whole
             os.write(fd, line)  # one write of one line: appends from several processes don't interleave
         except OSError as error:
             return f"events file {path} cannot be written: {error.strerror or error}"

@@ -1,0 +1,62 @@
+"""Fakes for the probe's tests: a BI-V100 as torch would report it, and ladder steps that pass,
+hang, crash or fail to compile. The ``*_step`` and ``fake_detect`` functions run in the probe's
+child process (named ``tests.probe_fakes:NAME``); ``passing_ladder`` replaces the whole ladder.
+"""
+
+import os
+import time
+
+BI_V100 = {"index": 0, "name": "Iluvatar BI-V100", "capability": [7, 0], "multiprocessor_count": 16,
+           "total_memory": 34057748480, "uuid": "GPU-fake-bi-v100-0", "warp_size": 64,
+           "shared_memory_per_block": 49152, "sources": {"warp_size": "triton driver warpSize"}}
+
+
+def fake_detect(context):
+    return dict(BI_V100, index=context["device_index"])
+
+
+def passing_step(context):
+    return {"checked": True}
+
+
+def sleeping_step(context):
+    time.sleep(120)
+
+
+def crashing_step(context):
+    os._exit(7)
+
+
+def broken_compile_step(context):
+    """A real Triton compile error: ``tl.arange`` over 3 elements (not a power of two), for 7.0."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    def store_three(x_ptr):
+        tl.store(x_ptr + tl.arange(0, 3), 1.0)
+
+    source = triton.compiler.ASTSource(fn=JITFunction(store_three), signature={"x_ptr": "*fp32"}, constexprs={})
+    triton.compile(source, target=GPUTarget("cuda", 70, 32))
+
+
+def passed(number, name, details=None):
+    return {"step": number, "name": name, "title": name, "status": "passed", "ok": True, "seconds": 0.01,
+            "error": None, "details": details or {}}
+
+
+def passing_ladder(*, counter=None, delay=0.0, bench=False, **options):
+    """The whole ladder, passing, as on a healthy BI-V100; ``counter`` gets a line per probe."""
+    if counter:
+        with open(counter, "a") as handle:
+            handle.write(f"{os.getpid()}\n")
+    time.sleep(delay)
+    checks = [passed(1, "triton_import", {"version": "2.3.1"}), passed(2, "trivial_kernel"),
+              passed(3, "variants_match", {"compared": 12}), passed(4, "shared_memory")]
+    if bench:
+        checks.append(passed(5, "bench", {"shapes": [{"name": "decode-v1", "triton_median_s": 0.001,
+                                                      "torch_median_s": 0.004, "speedup": 4.0}]}))
+    return {"device": dict(BI_V100, index=options.get("device_index", 0)), "device_error": None,
+            "checks": checks, "triton_version": "2.3.1"}
+

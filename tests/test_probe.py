@@ -1,0 +1,260 @@
+"""The decision and its record: CPU decision, overrides, reuse, devices, load_decision's speed,
+the real ladder machinery on the CPU, and the ``probe`` command's output and exit codes."""
+
+import json
+import os
+import stat
+import statistics
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from biv100_patch import probe
+from biv100_patch.probe import decide, ladder, record, settings
+from biv100_patch.probe_command import probe_command
+
+from tests.probe_fakes import BI_V100, passing_ladder
+from tests.probe_fixtures import fake_gpu, state  # noqa: F401 (fixtures)
+
+
+def test_cpu_decision_is_torch_no_accelerator(state):
+    found = probe.get_decision(progress=False)
+    assert found["decision"] == {"backend": "torch", "source": "no accelerator", "reason": (
+        "No accelerator (torch.cuda.is_available() is false), so the PyTorch backend is used.")}
+    assert found["device"]["vendor"] == "cpu" and found["checks"] == []
+    assert found["storage"]["written"] is True and found["storage"]["path"] == str(state / "probe-cpu.json")
+    assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(state / "probe-cpu.json").st_mode) == 0o600
+    on_disk = json.loads((state / "probe-cpu.json").read_text())
+    assert on_disk["format"] == "biv100-patch-probe" and on_disk["schema_version"] == 1
+    assert {"device", "versions", "checks", "decision", "fingerprint", "created"} <= set(on_disk)
+
+
+def test_record_is_reused_while_the_fingerprint_matches(state):
+    first = probe.get_decision(progress=False)
+    second = probe.get_decision(progress=False)
+    assert (second["storage"]["reused"], second["created"]) == (True, first["created"])
+    refreshed = probe.get_decision(refresh=True, progress=False)
+    assert refreshed["storage"]["reused"] is False and refreshed["created_unix"] >= first["created_unix"]
+    assert probe.load_decision()["created"] == refreshed["created"]
+
+
+def test_triton_forced_on_cpu_is_refused_without_the_interpreter(state, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("BIV100_PATCH_BACKEND", "triton")
+    with pytest.raises(probe.OverrideRefused, match="BIV100_PATCH_BACKEND=triton is refused: .*TRITON_INTERPRET=1"):
+        probe.get_decision(progress=False)
+    probe.get_decision(backend_override="auto", progress=False)  # stores the CPU record
+    loaded = probe.load_decision()  # the read path never raises: it says why in the decision
+    assert loaded["decision"]["backend"] == "torch" and "refused" in loaded["decision"]["reason"]
+
+
+def test_triton_forced_on_cpu_is_allowed_with_the_interpreter(state, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    found = probe.get_decision(backend_override="triton", progress=False)
+    assert (found["decision"]["backend"], found["decision"]["source"]) == ("triton", "override")
+    assert found["decision"]["reason"] == "backend_override=triton is set, so the Triton kernels are used without probing."
+
+
+def test_passing_ladder_decides_triton(fake_gpu):
+    found = probe.get_decision(progress=False)
+    assert found["decision"]["backend"] == "triton"
+    assert found["decision"]["reason"] == ("Triton passed the probe (12 kernel variants matched the PyTorch backend)"
+                                           ", so the Triton kernels are used.")
+    assert found["device"]["vendor"] == "iluvatar" and "device name 'Iluvatar BI-V100'" in found["device"]["vendor_signals"]
+    assert found["storage"]["key"] == record.device_key(BI_V100) and found["storage"]["written"]
+    assert len(fake_gpu.calls) == 1 and fake_gpu.calls[0]["timeout"] == 180.0
+    assert probe.get_decision(progress=False)["storage"]["reused"] and len(fake_gpu.calls) == 1
+
+
+@pytest.mark.parametrize("override, reason", [
+    ("torch", "BIV100_PATCH_BACKEND=torch overrides the probe's choice of triton, so the PyTorch backend is used."),
+    ("off", "BIV100_PATCH_BACKEND=off overrides the probe's choice of triton, so the patch is turned off."),
+])
+def test_environment_override_is_recorded_as_one(fake_gpu, monkeypatch, override, reason):
+    probe.get_decision(progress=False)
+    monkeypatch.setenv("BIV100_PATCH_BACKEND", override)
+    for found in (probe.get_decision(progress=False), probe.load_decision()):
+        assert found["decision"]["backend"] == override and found["decision"]["reason"] == reason
+        assert found["decision"]["source"] == "override" and found["decision"]["probed"]["backend"] == "triton"
+    stored = json.loads(open(probe.record_path()).read())
+    assert stored["decision"]["backend"] == "triton"  # the override lives in the process, not in the record
+
+
+def test_override_without_a_record_probes_nothing(fake_gpu, monkeypatch):
+    monkeypatch.setenv("BIV100_PATCH_BACKEND", "torch")
+    found = probe.get_decision(progress=False)
+    assert found["decision"]["backend"] == "torch" and fake_gpu.calls == []
+    assert found["storage"]["written"] is False
+
+
+def test_bad_override_values(state, monkeypatch):
+    with pytest.raises(ValueError, match="backend_override: must be one of auto, triton, torch, off"):
+        probe.get_decision(backend_override="xformers")
+    monkeypatch.setenv("BIV100_PATCH_BACKEND", "fast")
+    with pytest.raises(settings.SettingsError, match="BIV100_PATCH_BACKEND='fast' is not allowed"):
+        probe.get_decision()
+    assert "BIV100_PATCH_BACKEND='fast'" in probe.load_decision()["decision"]["reason"]
+    with pytest.raises(ValueError, match="timeout: must be a number of seconds from 1 to 3600"):
+        probe.get_decision(backend_override="auto", timeout=0)
+    with pytest.raises(ValueError, match="device: must be"):
+        probe.get_decision(backend_override="auto", device="tpu:0")
+
+
+def test_bench_record_is_needed_for_a_bench_request(fake_gpu):
+    probe.get_decision(progress=False)
+    found = probe.get_decision(bench=True, progress=False)
+    assert len(fake_gpu.calls) == 2 and fake_gpu.calls[1]["bench"] is True
+    assert "not slower on the decode benchmark (at least 4.00x" in found["decision"]["reason"]
+    assert found["bench"]["shapes"][0]["speedup"] == 4.0
+    assert probe.get_decision(bench=True, progress=False)["storage"]["reused"]
+
+
+def test_slower_triton_decides_torch(fake_gpu):
+    def slow_ladder(**options):
+        outcome = passing_ladder(**options)
+        outcome["checks"][-1]["details"]["shapes"][0].update(triton_median_s=0.004, torch_median_s=0.001,
+                                                             speedup=0.25)
+        return outcome
+
+    fake_gpu.ladder = slow_ladder
+    decision = probe.get_decision(bench=True, progress=False)["decision"]
+    assert decision["backend"] == "torch"
+    assert decision["reason"] == ("Triton passed every check but was slower than PyTorch on decode-v1 "
+                                  "(4.000 ms vs 1.000 ms), so the PyTorch backend is used.")
+
+
+def test_two_devices_keep_two_records(fake_gpu):
+    def two_gpus(**options):
+        outcome = passing_ladder(**options)
+        outcome["device"]["uuid"] = f"GPU-fake-{options['device_index']}"
+        if options["device_index"] == 1:
+            outcome["checks"][2] = dict(outcome["checks"][2], status="failed", ok=False, error="ValueError: wrong")
+        return outcome
+
+    fake_gpu.ladder = two_gpus
+    first, second = probe.get_decision(device=0, progress=False), probe.get_decision(device="cuda:1", progress=False)
+    assert first["storage"]["path"] != second["storage"]["path"]
+    assert (probe.load_decision(0)["decision"]["backend"], probe.load_decision(1)["decision"]["backend"]) == (
+        "triton", "torch")
+    assert probe.load_decision(1)["decision"]["reason"] == (
+        "Triton step 3 (variants_match) failed (ValueError: wrong), so the PyTorch backend is used.")
+    assert len(fake_gpu.calls) == 2
+
+
+def test_load_decision_is_fast_with_torch_imported(fake_gpu):
+    import torch  # noqa: F401 (the measured situation: torch already imported)
+
+    probe.get_decision(progress=False)
+    probe.load_decision()
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        found = probe.load_decision()
+        times.append(time.perf_counter() - start)
+    assert found["decision"]["backend"] == "triton"
+    assert statistics.median(times) < 0.010, times
+
+
+def test_load_decision_without_a_record(state):
+    assert probe.load_decision() is None and probe.record_path() is None
+
+
+def test_runtime_events_show_in_the_record(fake_gpu):
+    probe.get_decision(progress=False)
+    assert probe.add_runtime_event("runtime_fallback", "compile error for head 80", details={"head_size": 80})
+    assert probe.record_runtime_event({"event": "import_hook_failed", "stage": "patch", "message": "boom"})
+    events = probe.load_decision()["runtime_events"]
+    assert [(event["kind"], event["message"], event["backend"]) for event in events] == [
+        ("runtime_fallback", "compile error for head 80", "triton"), ("import_hook_failed", "boom", "triton")]
+    assert events[1]["details"] == {"stage": "patch"} and events[0]["pid"] == os.getpid()
+
+
+def test_real_ladder_runs_a_real_triton_kernel_on_the_cpu_interpreter(monkeypatch):
+    # The machinery end to end: step 1 here, detection and Triton's interpreter in the child.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+    outcome = ladder.run_ladder(steps=[ladder.CHILD_STEPS[0]], timeout=120,
+                                progress=lambda event, entry: seen.append((event, entry["name"]
+                                                                           if "name" in entry else None)))
+    assert [entry["status"] for entry in outcome["checks"]] == ["passed", "passed"], outcome
+    assert outcome["checks"][1]["details"]["wrong_elements"] == 0
+    assert outcome["device"]["name"] == "cpu"
+    assert ("start", "trivial_kernel") in seen and ("result", "trivial_kernel") in seen
+
+
+def run_cli(*arguments):
+    return CliRunner().invoke(probe_command, list(arguments))
+
+
+def test_cli_summary(fake_gpu):
+    result = run_cli()
+    assert result.exit_code == 0, result.output
+    assert "✓ 3 variants_match" in result.output
+    assert "decision  triton: Triton passed the probe" in result.output
+    assert "capability 7.0 · 16 SMs · warp 64 · 48.0 KB shared/block · 31.7 GB" in result.output
+
+
+def test_cli_json(fake_gpu):
+    result = run_cli("--json")
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.output)
+    assert {"device", "versions", "checks", "decision"} <= set(document)
+    assert document["decision"]["backend"] == "triton" and document["decision"]["reason"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--target-capability", "seven"], "--target-capability"),
+    (["--timeout", "0"], "--timeout"),
+    (["--shared-memory-limit", "49152"], "--shared-memory-limit needs --target-capability"),
+    (["--target-capability", "7.0", "--bench"], "--bench probes a device"),
+    (["--target-capability", "6.1"], "no default shared-memory limit for capability 6.1"),
+])
+def test_cli_bad_options_name_the_option(state, arguments, message):
+    result = run_cli(*arguments)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_cli_bad_environment_exits_2(state, monkeypatch):
+    monkeypatch.setenv("BIV100_PATCH_PROBE_TIMEOUT", "forever")
+    result = run_cli()
+    assert result.exit_code == 2 and "BIV100_PATCH_PROBE_TIMEOUT='forever' is not allowed" in result.output
+
+
+def test_cli_help_documents_exit_codes():
+    result = run_cli("--help")
+    assert result.exit_code == 0
+    for line in ("0  a decision was made", "1  --target-capability: at least one variant",
+                 "2  bad usage", "3  the probe itself could not run"):
+        assert line in result.output
+
+
+def test_cli_aot_report_judges_shared_memory(state, monkeypatch):
+    # The report's shape and verdicts with a fake compiler; the real AOT test is in test_probe_aot.py.
+    import sys
+    import types
+
+    calls = []
+
+    def compile_variants(capability, shared_memory_limit, progress=None):
+        calls.append((capability, shared_memory_limit))
+        entries = [{"kernel": "v1", "head_size": 128, "block_size": 16, "dtype": "float16", "kv_cache_dtype": "auto",
+                    "config": {"num_warps": 4}, "shared_bytes": 16384, "ok": True, "error": None},
+                   {"kernel": "v2", "head_size": 256, "block_size": 32, "dtype": "float32", "kv_cache_dtype": "auto",
+                    "config": {"num_warps": 8}, "shared_bytes": 65536, "ok": True, "error": None}]
+        for done, entry in enumerate(entries, start=1):
+            progress(done, len(entries), entry)
+        return entries
+
+    monkeypatch.setitem(sys.modules, "biv100_patch.kernels.variants",
+                        types.SimpleNamespace(compile_variants=compile_variants))
+    import biv100_patch.kernels
+    monkeypatch.setattr(biv100_patch.kernels, "variants", sys.modules["biv100_patch.kernels.variants"], raising=False)
+    result = CliRunner().invoke(probe_command, ["--target-capability", "7.0", "--json"])
+    assert calls == [((7, 0), 49152)] and result.exit_code == 1
+    document = json.loads(result.stdout)
+    assert document["target"] == {"capability": "7.0", "shared_memory_limit": 49152}
+    assert [(entry["kernel"], entry["ok"]) for entry in document["aot"]] == [("v1", True), ("v2", False)]
+    assert document["aot"][1]["error"] == "needs 65536 bytes of shared memory, over 49152"
+    assert set(document["aot"][0]) >= {"kernel", "head_size", "block_size", "dtype", "shared_bytes", "ok"}
