@@ -84,7 +84,7 @@ class Store:
             return f"state directory {self.directory} cannot be read: {error.strerror or error}"
         if not os.path.isdir(self.directory):
             return f"state directory {self.directory} is not a directory"
-        if status.st_uid != os.geteuid():
+        if status.st_uid not in (os.geteuid(), 0):  # root's, e.g. a record an administrator provided
             return f"state directory {self.directory} belongs to uid {status.st_uid}, not to this user"
         if status.st_mode & 0o022:
             return (f"state directory {self.directory} is writable by other users "
@@ -148,7 +148,7 @@ class Store:
         """Write ``record`` atomically (the caller holds ``lock``); the problem sentence, or None."""
         path = self.record_path(key)
         self._remove_stale_temporaries(os.path.basename(path))
-        data = json.dumps(record, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+        data = json.dumps(_finite(record), indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
         try:
             fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
                                              dir=self.directory)
@@ -225,6 +225,17 @@ class Store:
             if isinstance(event, dict) and (fingerprint is None or event.get("fingerprint_id") == fingerprint):
                 events.append(event)
         return events[-limit:]
+
+
+def _finite(value):
+    """JSON has no NaN or infinity: such a measurement is kept as its text ("nan", "inf")."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def validation_problem(record, path):

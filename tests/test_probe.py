@@ -3,6 +3,7 @@ the real ladder machinery on the CPU, and the ``probe`` command's output and exi
 
 import json
 import os
+import re
 import stat
 import statistics
 import time
@@ -258,3 +259,52 @@ def test_cli_aot_report_judges_shared_memory(state, monkeypatch):
     assert [(entry["kernel"], entry["ok"]) for entry in document["aot"]] == [("v1", True), ("v2", False)]
     assert document["aot"][1]["error"] == "needs 65536 bytes of shared memory, over 49152"
     assert set(document["aot"][0]) >= {"kernel", "head_size", "block_size", "dtype", "shared_bytes", "ok"}
+
+
+VARIANT_V1_FP16 = {"kernel": "v1", "head_size": 64, "block_size": 16, "dtype": "float16", "kv_cache_dtype": "auto"}
+VARIANT_V2_BF16 = {"kernel": "v2", "head_size": 64, "block_size": 32, "dtype": "bfloat16", "kv_cache_dtype": "auto"}
+CPU_CONTEXT = {"device": {"index": None}, "device_index": 0, "results": {}}
+
+
+def test_variants_step_compares_triton_with_torch_on_the_interpreter(monkeypatch):
+    # Ladder step 3 with the real kernels (B's Triton backend in the interpreter) on two variants.
+    from biv100_patch.probe import steps
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(steps, "_kernel_variants", lambda context: [VARIANT_V1_FP16, VARIANT_V2_BF16])
+    details = steps.variants_match(dict(CPU_CONTEXT))
+    assert (details["compared"], details["failed"]) == (2, 0)
+    assert [entry["ok"] for entry in details["variants"]] == [True, True]
+    assert details["variants"][0]["max_abs_diff"] < 2e-3 and details["variants"][1]["max_abs_diff"] < 3e-2
+
+
+def test_variants_step_names_the_variant_that_differs(monkeypatch):
+    from biv100_patch.kernels import get_backend
+    from biv100_patch.probe import steps
+
+    class OffByATenth:
+        def paged_attention_v1(self, out, *arguments, **options):
+            get_backend("torch").paged_attention_v1(out, *arguments, **options)
+            out.add_(0.125)
+
+    monkeypatch.setattr(steps, "_kernel_variants", lambda context: [VARIANT_V1_FP16])
+    monkeypatch.setattr(steps, "get_backend", lambda name, **options: OffByATenth() if name == "triton"
+                        else get_backend(name))
+    with pytest.raises(steps.StepFailure) as failure:
+        steps.variants_match(dict(CPU_CONTEXT))
+    # 0.125 added in fp16: the difference seen is 0.125 within fp16 rounding of outputs up to ~4.
+    assert re.fullmatch(r"1 of 1 variants failed; first: v1 head 64 block 16 float16 auto: differs from "
+                        r"the PyTorch backend by 0\.12\d? \(atol 0\.001\)", str(failure.value)), str(failure.value)
+    assert failure.value.details["failed"] == 1
+
+
+def test_non_finite_measurements_are_kept_as_json(fake_gpu):
+    def nan_ladder(**options):
+        outcome = passing_ladder(**options)
+        outcome["checks"][2]["details"]["max_abs_diff"] = float("nan")
+        return outcome
+
+    fake_gpu.ladder = nan_ladder
+    found = probe.get_decision(progress=False)
+    assert found["storage"]["written"]
+    assert json.loads(open(found["storage"]["path"]).read())["checks"][2]["details"]["max_abs_diff"] == "nan"
