@@ -25,12 +25,15 @@ case $version in
                      cloudpickle mistral_common py-cpuinfo aiohttp openai) ;;
     0.7.3) packages=(pydantic transformers cloudpickle psutil pyzmq msgspec pillow blake3 openai aiohttp requests
                      py-cpuinfo) ;;
+    # triton 3.6.0 too: the Triton backend's vLLM test runs here (triton 3.0.0's interpreter, 0.6.3's, cannot run it).
     0.9.2) packages=("transformers==4.53.3" cachetools cloudpickle psutil pyzmq msgspec pillow blake3 pybase64
-                     pydantic) ;;
+                     pydantic "triton==3.6.0") ;;
     0.10.1.1) packages=(transformers cachetools cbor2 cloudpickle psutil setproctitle pyzmq msgspec pillow blake3
                         pybase64 pydantic) ;;
     *) echo "$0: no package list for vLLM $version (known: 0.6.3 0.7.3 0.9.2 0.10.1.1)" >&2; exit 2 ;;
 esac
+# biv100-patch's own requirements (it is installed with --no-deps below).
+packages+=(click packaging platformdirs filelock)
 # Extra packages for one environment, e.g. VLLM_ENV_EXTRA="triton==3.6.0" for the Triton backend's tests.
 read -r -a extra <<< "${VLLM_ENV_EXTRA:-}"
 
@@ -38,6 +41,7 @@ works() {  # cheap: the full import check ran once, before the marker was writte
     [ -x "$dest/bin/python" ] && [ -f "$dest/.biv100-env-ok" ] && "$dest/bin/python" - "$version" "$repo" <<'EOF' >/dev/null 2>&1
 import importlib.metadata, importlib.util, os, sys
 assert importlib.metadata.version("vllm") == sys.argv[1]
+assert all(importlib.util.find_spec(name) for name in ("click", "packaging", "platformdirs", "filelock"))
 spec = importlib.util.find_spec("biv100_patch.patches")
 assert os.path.realpath(spec.submodule_search_locations[0]) == os.path.realpath(os.path.join(sys.argv[2], "patches"))
 EOF

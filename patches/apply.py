@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import sys
 import threading
+import types
 
 from . import families
 
@@ -87,7 +88,7 @@ def _decide(backend):
         return {"backend": backend, "reason": f"requested by apply(backend={backend!r})", "source": "argument"}
     try:
         from biv100_patch import probe
-        record = probe.get_decision()
+        record = probe.get_decision(progress=False)
         decision = dict(record["decision"])
     except Exception as error:
         _warn_once(f"the probe failed ({type(error).__name__}: {error}); using the torch backend")
@@ -270,3 +271,15 @@ def revert():
             _set_state("reverted", "revert() restored vLLM's own ops" if reverted else "revert() cancelled the "
                        "pending apply")
         return reverted
+
+
+class _CallableModule(types.ModuleType):
+    """Importing ``biv100_patch.patches.apply`` binds the package's name ``apply`` to this module
+    (Python's rule for submodules); calling the module still applies, so ``patches.apply()`` works
+    whichever of the two the name holds."""
+
+    def __call__(self, backend="auto"):
+        return apply(backend)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -11,7 +11,8 @@ re-raises instead.
 import logging
 import threading
 
-from biv100_patch.kernels import contract, get_backend
+from biv100_patch import kernels
+from biv100_patch.kernels import contract
 
 logger = logging.getLogger("biv100_patch")
 
@@ -48,14 +49,14 @@ class PatchedOps:
     takes a validated ``DecodeCall``); ``fallback`` is made on first need.
     """
 
-    def __init__(self, primary, validate_tables=False, record_event=_record_event, make_backend=get_backend):
+    def __init__(self, primary, validate_tables=False, record_event=_record_event, make_backend=None):
         self.primary = primary
         self.validate_tables = validate_tables
         self.routed = {}   # shape key -> "ErrorType: message" of the failure that routed it to torch
         self._fallback = primary if primary.name == "torch" else None
         self._lock = threading.Lock()
         self._record_event = record_event
-        self._make_backend = make_backend
+        self._make_backend = make_backend or kernels.get_backend
 
     @property
     def name(self):

@@ -1,8 +1,8 @@
 """Run inside a venv that holds real vLLM (see .ci/make_vllm_env.sh): patch it, decode, compare, revert.
 
-    python tests/vllm_patch_check.py BACKEND [--apply-before-import] [--dtype float32]
+    python tests/vllm_patch_check.py BACKEND[,BACKEND...] [--apply-before-import] [--dtype float32]
 
-Prints one JSON object: for each of vLLM's own ``PagedAttention.forward_decode`` paths (v1, v2)
+Prints one JSON object (the last line of stdout: vLLM logs to stdout too), per backend: for each of vLLM's own ``PagedAttention.forward_decode`` paths (v1, v2)
 and a direct ``torch.ops._C.paged_attention_v2`` call, which of our ops ran and the max abs
 error against the float64 reference (tests/reference.py), plus what ``revert()`` left. The test
 (tests/test_patch_vllm.py) asserts on it; this script asserts nothing itself, so that one run
@@ -54,36 +54,45 @@ def make_case(torch, dtype, seq_lens, num_heads=4, num_kv_heads=2, head_size=64,
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("backend")
+    parser.add_argument("backends")
     parser.add_argument("--apply-before-import", action="store_true")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
 
     import biv100_patch.patches as patches
-    report = {}
+    backends = args.backends.split(",")
+    reports = {}
     if args.apply_before_import:
-        report["apply_before_import"] = patches.apply(args.backend)
-        report["state_before_import"] = patches.state()
+        reports["apply_before_import"] = patches.apply(backends[0])
+        reports["state_before_import"] = patches.state()["status"]
 
-    import torch
     import vllm._custom_ops as ops
+
+    if args.apply_before_import:
+        reports["patched_at_import"] = getattr(ops.paged_attention_v1, "biv100_patch", None) is not None
+        reports["state_at_import"] = patches.state()["status"]
+        patches.revert()
+    for backend in backends:
+        reports[backend] = check(patches, ops, backend, args.dtype)
+    print(json.dumps(reports, default=str))
+
+
+def check(patches, ops, backend, dtype_name):
+    import torch
     from vllm.attention.ops.paged_attn import PagedAttention
 
     from tests.reference import reference_attention
 
+    report = {}
     originals = {name: ops.__dict__[name] for name in ("paged_attention_v1", "paged_attention_v2")}
-    if args.apply_before_import:
-        report["patched_at_import"] = all(getattr(ops, n) is not originals[n] for n in originals) or \
-            bool(getattr(ops.paged_attention_v1, "biv100_patch", None))
-    report["decision"] = patches.apply(args.backend)
+    report["decision"] = patches.apply(backend)
     state = patches.state()
     report["state"] = state
     ours = getattr(ops.paged_attention_v1, "biv100_patch", None)
     report["ours"] = ours is not None and getattr(ops.paged_attention_v2, "biv100_patch", None) is ours
     report["originals_wrapped"] = {n: hasattr(f, "__wrapped__") for n, f in originals.items()}
     if not report["ours"]:
-        print(json.dumps(report, default=str))
-        return
+        return report
 
     calls = []
     for name in ("paged_attention_v1", "paged_attention_v2"):
@@ -94,11 +103,11 @@ def main():
             return _method(*a, **k)
         setattr(ours, name, counted)
 
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, dtype_name)
     tensor_scales = state["family"] == "0.7.0-0.24.x"
     one = torch.tensor(1.0, dtype=torch.float32) if tensor_scales else 1.0
     parameters = inspect.signature(PagedAttention.forward_decode).parameters
-    tolerance = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}[args.dtype]
+    tolerance = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype_name]
     # vLLM's rule: use_v1 = max_seq_len <= 8192 and (partitions == 1 or num_seqs * num_heads > 512)
     for label, seq_lens in (("v1", [5, 37, 100]), ("v2", [600, 1300])):
         case = make_case(torch, dtype, seq_lens)
@@ -141,10 +150,11 @@ def main():
     report["restored"] = all(ops.__dict__[n] is originals[n] for n in originals)
     report["state_after_revert"] = patches.state()["status"]
     report["torch_ops_after_revert"] = hasattr(torch.ops._C, "paged_attention_v2")
-    report["reapply"] = patches.apply(args.backend)["backend"]
+    report["reapply"] = patches.apply(backend)["backend"]
     report["reapplied_ours"] = getattr(ops.paged_attention_v1, "biv100_patch", None) is not None
+    report["routed_to_torch"] = patches.state()["routed_to_torch"]
     patches.revert()
-    print(json.dumps(report, default=str))
+    return report
 
 
 if __name__ == "__main__":
