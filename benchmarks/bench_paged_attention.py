@@ -26,6 +26,12 @@ Writes <results-dir>/<gpu-name-slug>/paged_attention[-TAG].{json,md,png}; the JS
 row, so a run cut short keeps what it measured. On a CPU-only machine (--device cpu) it runs the torch backend
 and SDPA; the Triton backend needs TRITON_INTERPRET=1 there, which is far too slow to benchmark, so it is
 skipped unless asked for with --backends.
+
+Examples:
+  python benchmarks/bench_paged_attention.py --dry-run                      # rows, skips, runtime estimate
+  python benchmarks/bench_paged_attention.py --shared-memory-limit 49152   # full grid + the 48 KB series
+  python benchmarks/bench_paged_attention.py --quick --tag quick
+  python benchmarks/bench_paged_attention.py --device cpu --heads 4x2 --num-seqs 2 --seq-lens 32,600
 """
 
 import argparse
@@ -121,7 +127,7 @@ def parse_args(argv=None):
     timing.add_argument("--warmup-ms", type=float, help="do_bench warm-up budget (default: a quarter of --rep-ms)")
     timing.add_argument("--copy-gib", type=float, help="size of the copy-ceiling buffer (default 4 on CUDA, 1/16 on CPU)")
     timing.add_argument("--launch-calls", type=int, help="calls per round for the host-overhead timer "
-                        "(default 2000 on CUDA, 100 on CPU)")
+                        "(default 1000 on CUDA, 100 on CPU; 5 rounds, median)")
     output = parser.add_argument_group("output")
     output.add_argument("--results-dir", default=str(_common.DEFAULT_RESULTS_ROOT),
                         help="files go to RESULTS_DIR/<gpu-name-slug>/ (default benchmarks/results)")
@@ -670,7 +676,7 @@ def main(argv=None):
         "copy_ceiling": ceiling, "copy_gbps": ceiling["start"]["gbps"],
         "launch_overhead_us": None, "rows": [], "skipped": skipped, "notes": notes, "complete": False,
     }
-    launch_calls = args.launch_calls or (2000 if device.type == "cuda" else 100)
+    launch_calls = args.launch_calls or (1000 if device.type == "cuda" else 100)
     payload["launch_overhead_us"] = launch_overheads(series, device, launch_calls)
     _common.write_json(paths["json"], payload)
 
