@@ -169,3 +169,36 @@ def v2_buffers(case):
     exp_sums = torch.full((num_seqs, num_heads, partitions), math.nan, dtype=torch.float32)
     return exp_sums, exp_sums.clone(), torch.full((num_seqs, num_heads, partitions, head_size), math.nan,
                                                   dtype=case["query"].dtype)
+
+
+_TAIL = ("tp_rank: int = 0, blocksparse_local_blocks: int = 0, blocksparse_vert_stride: int = 0, "
+         "blocksparse_block_size: int = 64, blocksparse_head_sliding_step: int = 0")
+_HEAD = ("query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len, "
+         "alibi_slopes, kv_cache_dtype")
+
+
+def synthetic_custom_ops(v2_extra=""):
+    """A 0.5.3-0.6.6-style ``_custom_ops.py`` (float k/v scales, hint_on_error wrappers) whose ops
+    fail like vLLM's do without its CUDA extension; ``v2_extra`` adds parameters to v2."""
+    return f'''import functools
+
+
+def hint_on_error(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def paged_attention_v1(out, {_HEAD}, k_scale: float, v_scale: float, {_TAIL}) -> None:
+    raise AttributeError("vllm._C has no paged_attention_v1 on this machine")
+
+
+def paged_attention_v2(out, exp_sum, max_logits, tmp_out, {_HEAD}, k_scale: float, v_scale: float, {_TAIL}
+                       {v2_extra}) -> None:
+    raise AttributeError("vllm._C has no paged_attention_v2 on this machine")
+
+
+paged_attention_v1 = hint_on_error(paged_attention_v1)
+paged_attention_v2 = hint_on_error(paged_attention_v2)
+'''

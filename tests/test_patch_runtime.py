@@ -1,0 +1,139 @@
+"""The runtime wrapper: a Triton failure for one shape falls back to torch once, correctly, and stays there."""
+
+import logging
+import math
+import threading
+
+import pytest
+import torch
+
+from biv100_patch.kernels import PagedAttentionBackend, get_backend
+from biv100_patch.patches.runtime import PatchedOps
+from tests.fake_vllm import v2_buffers
+from tests.reference import reference_attention
+from tests.vllm_patch_check import make_case
+
+
+class CompileError(Exception):
+    """Stands in for triton.compiler.errors.CompilationError (any non-ValueError the backend raises)."""
+
+
+class FlakyTriton:
+    """The real Triton backend (interpreter on CPU), failing for one head size as a new shape might."""
+
+    def __init__(self, failing_head_size):
+        self.failing_head_size = failing_head_size
+        self.real = get_backend("triton")
+        self.calls = 0
+
+    def forward(self, call):
+        self.calls += 1
+        if call.head_size == self.failing_head_size:
+            raise CompileError(f"cannot compile the decode kernel for head_size={call.head_size}")
+        self.real.forward(call)
+
+
+@pytest.fixture
+def flaky():
+    return FlakyTriton(failing_head_size=80)
+
+
+@pytest.fixture
+def ops(flaky):
+    events = []
+    backend = PagedAttentionBackend("triton", flaky.forward)
+    patched = PatchedOps(backend, record_event=events.append)
+    patched.events = events
+    return patched
+
+
+def v1_call(ops, case):
+    out = torch.full_like(case["query"], math.nan)
+    ops.paged_attention_v1(out, case["query"], case["key_cache"], case["value_cache"], case["num_kv_heads"],
+                           case["scale"], case["block_tables"], case["seq_lens"], case["block_size"],
+                           case["max_seq_len"], None, "auto", 1.0, 1.0)
+    return out
+
+
+def v2_call(ops, case):
+    out = torch.full_like(case["query"], math.nan)
+    exp_sums, max_logits, tmp_out = v2_buffers(case)
+    ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, case["query"], case["key_cache"], case["value_cache"],
+                           case["num_kv_heads"], case["scale"], case["block_tables"], case["seq_lens"],
+                           case["block_size"], case["max_seq_len"], None, "auto", 1.0, 1.0)
+    return out
+
+
+def max_error(out, case):
+    return (out.double() - reference_attention(**case)["out"]).abs().max().item()
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.name == "biv100_patch" and r.levelno == logging.WARNING]
+
+
+def test_failure_falls_back_once_and_shape_stays_on_torch(ops, flaky, caplog, monkeypatch):
+    monkeypatch.delenv("BIV100_PATCH_STRICT", raising=False)
+    case = make_case(torch, torch.float32, [40, 530], head_size=80)
+    assert max_error(v1_call(ops, case), case) < 1e-4
+    assert flaky.calls == 1
+    [warning] = warnings_of(caplog)
+    assert "the triton backend failed" in warning.getMessage() and "head_size': 80" in warning.getMessage()
+    assert "CompileError: cannot compile" in warning.getMessage()
+    [event] = ops.events
+    assert event["event"] == "runtime_fallback" and event["from"] == "triton" and event["to"] == "torch"
+    assert event["shape"]["head_size"] == 80 and event["shape"]["op"] == "v1"
+
+    # Later calls of that shape go straight to torch: no Triton call, no new warning, still correct.
+    other = make_case(torch, torch.float32, [3, 17, 100], head_size=80, seed=4)
+    assert max_error(v1_call(ops, other), other) < 1e-4
+    assert flaky.calls == 1 and len(warnings_of(caplog)) == 1 and len(ops.events) == 1
+
+    # A shape that works keeps using Triton.
+    fine = make_case(torch, torch.float32, [40, 530], head_size=64)
+    assert max_error(v2_call(ops, fine), fine) < 1e-4
+    assert flaky.calls == 2 and len(ops.routed) == 1
+
+
+def test_strict_mode_reraises(ops, flaky, monkeypatch):
+    monkeypatch.setenv("BIV100_PATCH_STRICT", "1")
+    case = make_case(torch, torch.float32, [40], head_size=80)
+    with pytest.raises(CompileError):
+        v2_call(ops, case)
+    assert ops.routed == {} and ops.events == []
+
+
+def test_bad_input_is_the_callers_error(ops, flaky, caplog):
+    case = make_case(torch, torch.float32, [40], head_size=80)
+    case["block_tables"] = case["block_tables"].to(torch.int64)
+    out = torch.full_like(case["query"], math.nan)
+    with pytest.raises(ValueError, match="block_tables: must be int32"):
+        ops.paged_attention_v1(out, case["query"], case["key_cache"], case["value_cache"], 2, case["scale"],
+                               case["block_tables"], case["seq_lens"], 16, 40, None, "auto", 1.0, 1.0)
+    assert flaky.calls == 0 and warnings_of(caplog) == [] and ops.routed == {}
+    assert torch.isnan(out).all()
+
+
+def test_concurrent_failures_warn_once(ops, flaky, caplog, monkeypatch):
+    monkeypatch.delenv("BIV100_PATCH_STRICT", raising=False)
+    case = make_case(torch, torch.float32, [40, 70], head_size=80)
+    errors, barrier = [], threading.Barrier(6)
+
+    def worker():
+        barrier.wait()
+        errors.append(max_error(v1_call(ops, case), case))
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(errors) == 6 and max(errors) < 1e-4
+    assert len(warnings_of(caplog)) == 1 and len(ops.events) == 1 and len(ops.routed) == 1
+
+
+def test_torch_primary_has_no_fallback_path():
+    ops = PatchedOps(get_backend("torch"))
+    case = make_case(torch, torch.float32, [600, 9], head_size=64)
+    assert max_error(v2_call(ops, case), case) < 1e-4
+    assert ops.routed == {} and ops.name == "torch"
