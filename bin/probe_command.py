@@ -48,6 +48,7 @@ for that capability and judged against --shared-memory-limit.
 Exit codes:
   0  a decision was made (any backend), or every AOT variant compiled and fits
   1  --target-capability: at least one variant failed to compile or does not fit
+     (or no kernel config fits the limit at all)
   2  bad usage: an unknown option value, a bad environment setting, a refused override
   3  the probe itself could not run (an unexpected error; the message says which)
 """
@@ -167,13 +168,14 @@ def _aot(as_json, capability, shared_memory_limit):
         click.echo(f"Error: the Triton kernels cannot be loaded: {type(error).__name__}: {error}", err=True)
         return EXIT_PROBE_ERROR
 
-    def progress(done, total, entry):
-        mark = "✓" if entry.get("ok") else "✗"
-        click.echo(f"aot: {mark} [{done}/{total}] {entry.get('kernel')} head {entry.get('head_size')} "
-                   f"block {entry.get('block_size')} {entry.get('dtype')} {entry.get('kv_cache_dtype')}", err=True)
+    def progress(done, total, *_):
+        click.echo(f"aot: compiled {done}/{total}", err=True)
 
     try:
         entries = variants.compile_variants(capability, shared_memory_limit, progress=progress)
+    except ValueError as error:  # the kernels have no config at all under this limit: a finding
+        click.echo(f"AOT for capability {capability[0]}.{capability[1]}: {error}", err=True)
+        return EXIT_AOT_FAILED
     except Exception as error:
         click.echo(f"Error: ahead-of-time compilation could not run: {type(error).__name__}: {error}", err=True)
         return EXIT_PROBE_ERROR

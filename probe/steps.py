@@ -142,11 +142,42 @@ def run_backend(backend, kernel, case):
     return out
 
 
-def _kernel_variants(context):
-    """The variants the patch would use on this device (the kernels' own list)."""
-    from biv100_patch.kernels import variants
+# Step 3 runs every compiled attention binary for the default cache format, and the fp8 formats for
+# one head and block size per query dtype; the shapes it does not run are checked at their first
+# call by the patcher's runtime fallback.
+FP8_PROBE_HEAD_SIZE, FP8_PROBE_BLOCK_SIZE = 128, 16
+V1_PROBE_HEAD_SIZE, V1_PROBE_BLOCK_SIZE = 128, 16
 
-    return variants.probe_variants(device_limits(context))
+
+def _kernel_variants(context):
+    """The variants step 3 runs: one per distinct compiled attention kernel (see above), each as a
+    v2 call (attention + reduce), plus a v1 call per query dtype and cache format."""
+    from biv100_patch.kernels import configs, variants
+
+    limits = device_limits(context) or configs.INTERPRETER_LIMITS
+    chosen, seen, v1_done = [], set(), set()
+    for variant in variants.variant_list(limits):
+        if variant.kernel != "attention" or variant.compile_key() in seen:
+            continue
+        if variant.kv_cache_dtype != "auto" and (variant.head_size, variant.block_size) != (
+                FP8_PROBE_HEAD_SIZE, FP8_PROBE_BLOCK_SIZE):
+            continue
+        group = next((group for group in variants.GROUP_CLASSES
+                      if configs.choose_config(limits, variant.head_size, variant.block_size, DTYPES[variant.dtype],
+                                               variant.kv_cache_dtype, group) == variant.config), None)
+        if group is None:
+            continue
+        seen.add(variant.compile_key())
+        entry = {"kernel": "v2", "head_size": variant.head_size, "block_size": variant.block_size,
+                 "dtype": variant.dtype, "kv_cache_dtype": variant.kv_cache_dtype, "num_heads": group,
+                 "num_kv_heads": 1}
+        chosen.append(entry)
+        v1_key = (variant.dtype, variant.kv_cache_dtype)
+        if (configs._next_power_of_2(variant.head_size), variant.block_size) == (
+                V1_PROBE_HEAD_SIZE, V1_PROBE_BLOCK_SIZE) and v1_key not in v1_done:
+            v1_done.add(v1_key)
+            chosen.append(dict(entry, kernel="v1"))
+    return chosen
 
 
 def variants_match(context):
@@ -157,10 +188,11 @@ def variants_match(context):
     compared, failures = [], []
     for variant in _kernel_variants(context):
         dtype = DTYPES[variant["dtype"]]
-        entry = {key: variant[key] for key in ("kernel", "head_size", "block_size", "dtype", "kv_cache_dtype")}
+        entry = dict(variant)
         case = make_paged_case(kernel=variant["kernel"], head_size=variant["head_size"],
                                block_size=variant["block_size"], dtype=dtype,
-                               kv_cache_dtype=variant["kv_cache_dtype"], device=device)
+                               kv_cache_dtype=variant["kv_cache_dtype"], device=device,
+                               num_heads=variant.get("num_heads", 4), num_kv_heads=variant.get("num_kv_heads", 2))
         try:
             expected = run_backend(torch_backend, variant["kernel"], case).float()
             got = run_backend(triton_backend, variant["kernel"], case).float()
@@ -188,26 +220,49 @@ def variants_match(context):
     return details
 
 
+def _compiled_kernels(jit_function):
+    """The binaries a Triton JIT function compiled in this process (Triton 3.x and 2.x caches)."""
+    caches = getattr(jit_function, "device_caches", None)
+    if caches:
+        for entry in caches.values():
+            yield from entry[0].values()
+    else:
+        for per_device in (getattr(jit_function, "cache", None) or {}).values():
+            yield from per_device.values()
+
+
+def _shared_bytes(kernel):
+    metadata = getattr(kernel, "metadata", None)
+    shared = getattr(metadata, "shared", None) if metadata is not None else None
+    return getattr(kernel, "shared", None) if shared is None else shared
+
+
 def shared_memory(context):
-    """Every Triton variant compiled for this device's capability fits its shared memory per block."""
-    from biv100_patch.kernels import variants
+    """The shared memory of every kernel binary step 3 compiled and ran, against the device's limit.
+
+    Read from the compiled kernels themselves, whatever backend the vendor's Triton compiles for.
+    """
+    from triton.runtime.jit import JITFunction
+
+    from biv100_patch.kernels import paged_attention_triton
 
     limits = device_limits(context)
     if limits is None:
         return {"skipped": "no device: the interpreter has no shared-memory limit"}
-    entries = variants.compile_variants(limits.capability, limits.shared_memory_per_block)
-    too_big = [entry for entry in entries if not entry["ok"]]
-    details = {"limit": limits.shared_memory_per_block, "compiled": len(entries),
-               "largest": max((entry["shared_bytes"] or 0 for entry in entries), default=0),
-               "failed": [{key: entry.get(key) for key in ("kernel", "head_size", "block_size", "dtype",
-                                                            "kv_cache_dtype", "shared_bytes", "error")}
-                          for entry in too_big]}
+    binaries = []
+    for name, value in sorted(vars(paged_attention_triton).items()):
+        if isinstance(value, JITFunction):
+            binaries += [(name, _shared_bytes(kernel)) for kernel in _compiled_kernels(value)]
+    measured = [shared for _, shared in binaries if shared is not None]
+    details = {"limit": limits.shared_memory_per_block, "binaries": len(binaries), "measured": len(measured),
+               "largest": max(measured, default=0)}
+    if not binaries:
+        raise StepFailure("no compiled kernel was found to measure (did step 3 run on this device?)", details)
+    too_big = [(name, shared) for name, shared in binaries if shared is not None and shared > details["limit"]]
     if too_big:
-        first = too_big[0]
-        raise StepFailure(f"{len(too_big)} of {len(entries)} variants do not fit {limits.shared_memory_per_block}"
-                          f" bytes; first: {first['kernel']} head {first['head_size']} block "
-                          f"{first['block_size']} {first['dtype']}: {first.get('error') or first['shared_bytes']}",
-                          details)
+        details["over_limit"] = [{"kernel": name, "shared_bytes": shared} for name, shared in too_big]
+        raise StepFailure(f"{len(too_big)} of {len(binaries)} compiled kernels need more than "
+                          f"{details['limit']} bytes of shared memory; largest {details['largest']}", details)
     return details
 
 

@@ -244,8 +244,8 @@ def test_cli_aot_report_judges_shared_memory(state, monkeypatch):
                     "config": {"num_warps": 4}, "shared_bytes": 16384, "ok": True, "error": None},
                    {"kernel": "v2", "head_size": 256, "block_size": 32, "dtype": "float32", "kv_cache_dtype": "auto",
                     "config": {"num_warps": 8}, "shared_bytes": 65536, "ok": True, "error": None}]
-        for done, entry in enumerate(entries, start=1):
-            progress(done, len(entries), entry)
+        for done in range(1, len(entries) + 1):
+            progress(done, len(entries))
         return entries
 
     monkeypatch.setitem(sys.modules, "biv100_patch.kernels.variants",
@@ -308,3 +308,33 @@ def test_non_finite_measurements_are_kept_as_json(fake_gpu):
     found = probe.get_decision(progress=False)
     assert found["storage"]["written"]
     assert json.loads(open(found["storage"]["path"]).read())["checks"][2]["details"]["max_abs_diff"] == "nan"
+
+
+def test_compiled_kernels_are_read_from_both_triton_cache_layouts():
+    import types
+
+    from biv100_patch.probe import steps
+
+    new = types.SimpleNamespace(metadata=types.SimpleNamespace(shared=40960))
+    old = types.SimpleNamespace(shared=16384)
+    triton3 = types.SimpleNamespace(device_caches={0: ({"key": new}, "target", "backend", "binder")})
+    triton2 = types.SimpleNamespace(cache={0: {"key": old}})
+    assert [steps._shared_bytes(kernel) for kernel in steps._compiled_kernels(triton3)] == [40960]
+    assert [steps._shared_bytes(kernel) for kernel in steps._compiled_kernels(triton2)] == [16384]
+
+
+def test_step_3_covers_every_default_format_binary_and_fp8_samples(monkeypatch):
+    from biv100_patch.kernels import limits, variants
+    from biv100_patch.probe import steps
+
+    bi_v100 = limits.DeviceLimits(shared_memory_per_block=49152, multiprocessor_count=16, warp_size=64,
+                                  capability=(7, 0))
+    monkeypatch.setattr(steps, "device_limits", lambda context: bi_v100)
+    chosen = steps._kernel_variants({"device": {"index": 0}})
+    keys = {v.compile_key() for v in variants.variant_list(bi_v100)
+            if v.kernel == "attention" and v.kv_cache_dtype == "auto"}
+    covered = {(e["dtype"], e["block_size"]) for e in chosen if e["kv_cache_dtype"] == "auto" and e["kernel"] == "v2"}
+    assert len([e for e in chosen if e["kv_cache_dtype"] == "auto" and e["kernel"] == "v2"]) == len(keys)
+    assert covered == {(dtype, block) for dtype in ("float32", "float16", "bfloat16") for block in (8, 16, 32)}
+    assert {e["kv_cache_dtype"] for e in chosen} == {"auto", "fp8_e4m3", "fp8_e5m2"}
+    assert {e["dtype"] for e in chosen if e["kernel"] == "v1"} == {"float32", "float16", "bfloat16"}
