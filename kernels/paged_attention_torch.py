@@ -193,7 +193,7 @@ def _tile(call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables)
     keep = None
     if call.blocksparse is not None:
         sparse = call.blocksparse
-        key_blocks = (tokens // block_size) * block_size // sparse.block_size            # [parts, width]
+        key_blocks = ((tokens // block_size) * block_size // sparse.block_size)[None, None, :, None, :]
         query_blocks = ((seq_lens - 1) // sparse.block_size)[None, :, None, None, None]
         keep = ((key_blocks + _head_offsets(call, device)) % sparse.vert_stride == 0) \
             | (key_blocks > query_blocks - sparse.local_blocks)

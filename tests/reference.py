@@ -46,9 +46,12 @@ def float_to_fp8_bits(values, fmt):
     codes = torch.arange(256, dtype=torch.int64)
     table = fp8_bits_to_float64(codes, fmt)
     finite = torch.isfinite(table)
-    codes, table = codes[finite], table[finite]
-    flat = values.detach().to("cpu", torch.float64).reshape(-1, 1)
-    nearest = (flat - table.unsqueeze(0)).abs().argmin(dim=1)
+    table, order = torch.sort(table[finite])
+    codes = codes[finite][order]
+    flat = values.detach().to("cpu", torch.float64).reshape(-1)
+    upper = torch.searchsorted(table, flat).clamp(1, table.numel() - 1)
+    lower = upper - 1
+    nearest = torch.where((flat - table[lower]).abs() <= (table[upper] - flat).abs(), lower, upper)
     return codes[nearest].to(torch.uint8).reshape(values.shape)
 
 
@@ -57,7 +60,8 @@ def _decode(cache, kv_cache_dtype, scale):
     if kv_cache_dtype == "auto":
         return cache.to(torch.float64)
     fmt = "fp8_e4m3" if kv_cache_dtype in ("fp8", "fp8_e4m3") else kv_cache_dtype
-    return fp8_bits_to_float64(cache.view(torch.uint8), fmt) * float(scale)
+    table = fp8_bits_to_float64(torch.arange(256), fmt)
+    return table[cache.view(torch.uint8).long()] * float(scale)
 
 
 def _blocksparse_keep(blocksparse, seq_len, block_size, num_heads, num_kv_heads):

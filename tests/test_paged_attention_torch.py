@@ -1,0 +1,292 @@
+"""The PyTorch backend against vLLM's golden outputs and the float64 reference.
+
+Golden cases: every output of v1 and v2 within 2x vLLM's own error + 1e-5 (tests.golden's rule).
+Random cases (vLLM's test distribution, NaN-poisoned unused slots) over a dtype / cache-format
+tolerance table, then the edges: seq_len 0, strides, scale as float or tensor, block sparsity,
+tiling, and bad tables.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels import contract, get_backend, paged_attention_torch
+from tests import golden
+from tests.reference import reference_attention
+
+BACKEND = get_backend("torch")
+
+
+# --- the reference itself, checked against the numbers vLLM's run recorded ---------------------
+
+@pytest.mark.skipif(golden.load_golden() is None, reason="golden data not found (BIV100_GOLDEN_DIR)")
+def test_reference_reproduces_vllms_measured_errors():
+    for case in golden.golden_cases():
+        ref, measured, v2 = golden.reference_for(case), case["measured"], case["outputs_v2"]
+        written = ref["written"]
+        assert torch.equal(torch.isnan(v2["max_logits"]), ~written)
+        pairs = [((case["outputs_v1"]["out"].double() - ref["out"]).abs().max(), measured["max_abs_v1_vs_ref"]),
+                 ((v2["out"].double() - ref["out"]).abs().max(), measured["max_abs_v2_vs_ref"]),
+                 ((v2["max_logits"].double() - ref["max_logits"])[written].abs().max(),
+                  measured["max_abs_max_logits_vs_ref"]),
+                 (((v2["exp_sums"].double() - ref["exp_sums"]) / ref["exp_sums"])[written].abs().max(),
+                  measured["max_rel_exp_sums_vs_ref"]),
+                 ((v2["tmp_out"].double() - ref["tmp_out"])[written].abs().max(), measured["max_abs_tmp_out_vs_ref"])]
+        for ours, theirs in pairs:
+            assert float(ours) == pytest.approx(theirs, rel=1e-4, abs=1e-12), case["params"]["name"]
+
+
+# --- golden cases --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", golden.VERSIONS)
+@pytest.mark.parametrize("name", golden.golden_case_names())
+def test_golden(name, version, device):
+    case = golden.golden_case(name)
+    outputs = golden.run_op(BACKEND, case["inputs"], version, device)
+    errors = golden.check_against_reference(outputs, golden.reference_for(case), golden.golden_tolerance(case, version))
+    assert errors["out"] > 0 or case["params"]["dtype"] == "float32"  # a real comparison ran
+
+
+# --- random cases: (query dtype, cache format) x shapes -------------------------------------------
+
+DTYPE_FORMATS = [
+    (torch.float32, "auto"),
+    (torch.float16, "auto"),
+    (torch.bfloat16, "auto"),
+    (torch.float16, "fp8_e4m3"),
+    (torch.bfloat16, "fp8_e5m2"),
+]
+# head_size, block_size, num_heads, num_kv_heads, seq_lens, alibi
+SHAPES = [
+    (32, 8, 4, 4, [1, 9, 40], False),
+    (64, 16, 8, 2, [0, 17, 530], True),
+    (80, 32, 6, 1, [33, 1025], False),
+    (96, 8, 4, 2, [511, 512, 513], True),
+    (112, 16, 2, 1, [100], False),
+    (120, 32, 3, 3, [7, 64], True),
+    (128, 16, 8, 8, [1, 600], False),
+    (192, 8, 4, 1, [300, 2], True),
+    (256, 32, 2, 2, [1100, 31], False),
+]
+
+
+def _shape_id(shape):
+    head, block, heads, kv_heads, lens, alibi = shape
+    return f"d{head}-b{block}-h{heads}x{kv_heads}-L{max(lens)}" + ("-alibi" if alibi else "")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype,kv_cache_dtype", DTYPE_FORMATS, ids=lambda v: str(v).replace("torch.", ""))
+def test_random_cases(dtype, kv_cache_dtype, shape, device):
+    head_size, block_size, num_heads, num_kv_heads, seq_lens, alibi = shape
+    if kv_cache_dtype != "auto" and head_size % 16:
+        pytest.skip("fp8 caches pack 16 dims per slot: head_size must be a multiple of 16")
+    inputs = golden.random_case(dtype, head_size, block_size, num_heads, num_kv_heads, seq_lens, alibi=alibi,
+                                kv_cache_dtype=kv_cache_dtype, poison=True, seed=head_size)
+    ref = golden.reference_for(inputs)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(BACKEND, inputs, version, device)
+        golden.check_against_reference(outputs, ref, golden.random_tolerance(inputs))
+
+
+# --- edges ---------------------------------------------------------------------------------------
+
+def test_seq_len_zero_gives_zeros_and_writes_no_partition(device):
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [0, 0, 700], poison=True)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(BACKEND, inputs, version, device)
+        assert torch.equal(outputs["out"][:2].cpu(), torch.zeros(2, 4, 64, dtype=torch.float16))
+        if version == "v2":
+            assert torch.isnan(outputs["max_logits"][:2]).all() and torch.isnan(outputs["tmp_out"][:2]).all()
+            assert not torch.isnan(outputs["max_logits"][2]).any()
+
+
+def test_all_sequences_empty(device):
+    inputs = golden.random_case(torch.bfloat16, 128, 16, 2, 1, [0, 0])
+    assert inputs["max_seq_len"] == 0
+    for version in golden.VERSIONS:
+        assert torch.equal(golden.run_op(BACKEND, inputs, version, device)["out"].cpu(),
+                           torch.zeros(2, 2, 128, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_nan_in_unused_slots_changes_nothing(kv_cache_dtype, device):
+    args = (torch.bfloat16, 64, 8, 8, 2, [3, 515, 1030])
+    clean = golden.random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7)
+    poisoned = golden.random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7, poison=True)
+    assert not torch.equal(clean["value_cache"], poisoned["value_cache"])
+    for version in golden.VERSIONS:
+        expected = golden.run_op(BACKEND, clean, version, device)
+        actual = golden.run_op(BACKEND, poisoned, version, device)
+        for name, tensor in expected.items():
+            assert torch.equal(actual[name].isnan(), tensor.isnan())
+            assert torch.equal(actual[name].nan_to_num(), tensor.nan_to_num()), name
+
+
+def test_strided_tensors_give_the_same_result(device):
+    inputs = golden.to_device(golden.random_case(torch.float16, 128, 16, 4, 2, [20, 700], poison=True), device)
+    expected = golden.nan_buffers(inputs, "v2", device)
+    golden.call_op(BACKEND, "v2", expected, inputs)
+    strided = dict(inputs)
+    strided["query"] = golden.non_contiguous(inputs["query"], dims=(0, 2))
+    strided["key_cache"] = golden.non_contiguous(inputs["key_cache"], dims=(0, 1))
+    strided["value_cache"] = golden.non_contiguous(inputs["value_cache"], dims=(1, 3))
+    strided["block_tables"] = inputs["block_tables"].t().contiguous().t()
+    buffers = {name: golden.non_contiguous(tensor, dims=(0, 1))
+               for name, tensor in golden.nan_buffers(inputs, "v2", device).items()}
+    golden.call_op(BACKEND, "v2", buffers, strided)
+    for name, tensor in expected.items():
+        assert not buffers[name].is_contiguous()
+        assert torch.equal(buffers[name].nan_to_num(), tensor.nan_to_num()), name
+        assert torch.equal(buffers[name].isnan(), tensor.isnan()), name
+
+
+def test_scale_as_float_or_tensor(device):
+    inputs = golden.random_case(torch.bfloat16, 64, 16, 4, 1, [40, 600], kv_cache_dtype="fp8",
+                                k_scale=0.02, v_scale=0.03, poison=True)
+    ref = golden.reference_for(inputs)
+    for version in golden.VERSIONS:
+        as_float = golden.run_op(BACKEND, inputs, version, device)
+        as_tensor = golden.run_op(BACKEND, inputs, version, device, scale_as_tensor=True)
+        golden.check_against_reference(as_float, ref, golden.random_tolerance(inputs))
+        for name, tensor in as_float.items():
+            assert torch.equal(as_tensor[name].nan_to_num(), tensor.nan_to_num()), name
+
+
+BLOCKSPARSE = [
+    # local_blocks, vert_stride, block_size, head_sliding_step, tp_rank
+    (2, 4, 64, 1, 0),
+    (1, 3, 32, -1, 1),
+    (4, 16, 64, 0, 0),   # vert_stride * 64 > 512: some partitions are skipped entirely
+    (0, 2, 16, 2, 0),
+]
+
+
+@pytest.mark.parametrize("sparse", BLOCKSPARSE, ids=str)
+def test_blocksparse_matches_reference(sparse, device):
+    local_blocks, vert_stride, bs_block_size, sliding_step, tp_rank = sparse
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [5, 700, 2100], poison=True, seed=vert_stride)
+    ref = reference_attention(**inputs, blocksparse=dict(local_blocks=local_blocks, vert_stride=vert_stride,
+                                                         block_size=bs_block_size, head_sliding_step=sliding_step,
+                                                         tp_rank=tp_rank))
+    dense = reference_attention(**inputs)
+    assert not torch.allclose(ref["out"], dense["out"], atol=1e-3)  # the pattern really changes the result
+    tail = dict(tp_rank=tp_rank, blocksparse_local_blocks=local_blocks, blocksparse_vert_stride=vert_stride,
+                blocksparse_block_size=bs_block_size, blocksparse_head_sliding_step=sliding_step)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(BACKEND, inputs, version, device, **tail)
+        golden.check_against_reference(outputs, ref, golden.random_tolerance(inputs))
+
+
+@pytest.mark.parametrize("tile_bytes", [1, 600_000], ids=["one-partition-tiles", "two-sequence-chunks"])
+def test_small_tiles_give_the_same_result(tile_bytes, monkeypatch, device):
+    inputs = golden.random_case(torch.float32, 64, 16, 4, 2, [1, 513, 1600, 40, 0], alibi=True, poison=True)
+    expected = golden.run_op(BACKEND, inputs, "v2", device)
+    monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES", tile_bytes)
+    for version in golden.VERSIONS:
+        actual = golden.run_op(BACKEND, inputs, version, device)
+        for name, tensor in actual.items():
+            assert torch.allclose(tensor.nan_to_num(), expected[name].nan_to_num(), rtol=1e-6, atol=1e-6), name
+            assert torch.equal(tensor.isnan(), expected[name].isnan()), name
+
+
+# --- bad tables: NaN for the sequence concerned, never an out-of-bounds access; or a ValueError ---
+
+def _bad_table_cases():
+    base = dict(dtype=torch.float16, head_size=64, block_size=16, num_heads=4, num_kv_heads=2,
+                seq_lens=[100, 40, 600], poison=True)
+
+    def entry_too_large(inputs):
+        inputs["block_tables"][1, 1] = inputs["key_cache"].shape[0]
+
+    def entry_negative(inputs):
+        inputs["block_tables"][1, 0] = -5
+
+    def too_few_columns(inputs):
+        inputs["seq_lens"][1] = inputs["block_tables"].shape[1] * 16 + 1
+        inputs["max_seq_len"] = int(inputs["seq_lens"].max())
+
+    def longer_than_max_seq_len(inputs):
+        inputs["seq_lens"][1] = inputs["max_seq_len"] + 1
+
+    return base, [entry_too_large, entry_negative, too_few_columns, longer_than_max_seq_len]
+
+
+_BASE, _BREAKERS = _bad_table_cases()
+
+
+@pytest.mark.parametrize("breaker", _BREAKERS, ids=lambda f: f.__name__)
+def test_bad_table_gives_nan_for_that_sequence_only(breaker, device):
+    inputs = golden.random_case(**_BASE)
+    ref = golden.reference_for(inputs)
+    breaker(inputs)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(BACKEND, inputs, version, device)
+        assert torch.isnan(outputs["out"][1]).all()
+        good = [0, 2]
+        kept = {name: tensor[good] for name, tensor in outputs.items()}
+        good_ref = {name: tensor[good] for name, tensor in ref.items()}
+        golden.check_against_reference(kept, good_ref, golden.random_tolerance(inputs))
+        if version == "v2":
+            written = min(-(-int(inputs["seq_lens"][1]) // 512), outputs["max_logits"].shape[2])
+            assert torch.isnan(outputs["max_logits"][1]).all() and torch.isnan(outputs["tmp_out"][1]).all()
+            assert written >= 1
+
+
+@pytest.mark.parametrize("breaker", _BREAKERS, ids=lambda f: f.__name__)
+def test_validate_tables_rejects_bad_tables_before_writing(breaker, device):
+    inputs = golden.random_case(**_BASE)
+    breaker(inputs)
+    inputs = golden.to_device(inputs, device)
+    checked = get_backend("torch", validate_tables=True)
+    for version in golden.VERSIONS:
+        buffers = golden.nan_buffers(inputs, version, device)
+        with pytest.raises(ValueError, match="seq_lens|block_tables"):
+            golden.call_op(checked, version, buffers, inputs)
+        assert all(torch.isnan(tensor).all() for tensor in buffers.values())
+
+
+def test_validate_tables_accepts_good_tables(device):
+    inputs = golden.random_case(**_BASE)
+    checked = get_backend("torch", validate_tables=True)
+    outputs = golden.run_op(checked, inputs, "v2", device)
+    golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
+
+
+def test_no_sequences(device):
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [])
+    inputs["max_seq_len"] = 0
+    assert golden.run_op(BACKEND, inputs, "v2", device)["out"].shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,mixed", [("auto", True), ("auto", False), ("fp8_e4m3", False)])
+def test_planned_tiles_respect_the_byte_budget(kv_cache_dtype, mixed):
+    def plan(max_seq_len):
+        call = contract.DecodeCall(query=torch.empty(1, 32, 128, dtype=torch.float16), kv_cache_dtype=kv_cache_dtype,
+                                   num_kv_heads=8, num_heads=32, head_size=128, block_size=16, max_seq_len=max_seq_len,
+                                   max_num_partitions=-(-max_seq_len // 512))
+        columns, chunk, parts = paged_attention_torch._plan(call, mixed)
+        tile_bytes = chunk * parts * columns * 16 * paged_attention_torch._bytes_per_token(call, mixed)
+        return columns, chunk, parts, tile_bytes
+
+    columns, chunk, parts, tile_bytes = plan(8192)
+    assert (columns, parts) == (32, 16) and chunk >= (2 if mixed else 1) and tile_bytes <= paged_attention_torch.MAX_TILE_BYTES
+    columns, chunk, parts, tile_bytes = plan(1 << 20)  # one sequence is over budget: tiles of partitions
+    assert (columns, chunk) == (32, 1) and 1 <= parts < 2048 and tile_bytes <= paged_attention_torch.MAX_TILE_BYTES
+    columns, chunk, parts, tile_bytes = plan(40)  # one partition: only the blocks max_seq_len needs
+    assert (columns, parts) == (3, 1)
+
+
+def test_nan_tolerance_of_unwritten_partitions_is_checked():
+    """The checker itself: a written partition past a sequence's end is caught."""
+    inputs = golden.random_case(torch.float32, 64, 16, 2, 2, [10, 600])
+    outputs = golden.run_op(BACKEND, inputs, "v2", "cpu")
+    outputs["exp_sums"][0, 0, 1] = 1.0
+    with pytest.raises(AssertionError, match="past its sequence"):
+        golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
+    outputs = golden.run_op(BACKEND, inputs, "v1", "cpu")
+    outputs["out"][1, 0, 0] += 0.01
+    with pytest.raises(AssertionError, match="out: max error"):
+        golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
+    assert math.isfinite(float(outputs["out"].abs().max()))
