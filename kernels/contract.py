@@ -130,6 +130,9 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
             _fail(name, f"dtype must be {' or '.join(map(str, allowed_cache))} for kv_cache_dtype={kv_cache_dtype!r}",
                   str(cache.dtype))
     x = 16 // key_cache.element_size()
+    if head_size % x:
+        _fail("kv_cache_dtype", f"{kv_cache_dtype!r} packs {x} dims per 16 bytes: head size must be a multiple of {x}",
+              f"head size {head_size}")
     num_blocks = key_cache.shape[0]
     expected_key = (num_blocks, num_kv_heads, head_size // x, block_size, x)
     if tuple(key_cache.shape) != expected_key:

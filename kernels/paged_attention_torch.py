@@ -123,8 +123,14 @@ def _bad_sequences(call, lens):
 
 
 def _cache_views(call):
-    """K as [kv_heads, blocks, block_size, head_size / x, x] and V as [kv_heads, blocks, block_size, head_size]."""
-    return call.key_cache.permute(1, 0, 3, 2, 4), call.value_cache.permute(1, 0, 3, 2)
+    """K as [kv_heads, blocks, block_size, head_size / x, x] and V as [kv_heads, blocks, block_size, head_size].
+
+    fp8 caches are read as their uint8 bit patterns (also when they come as torch float8 tensors).
+    """
+    key_cache, value_cache = call.key_cache, call.value_cache
+    if call.kv_cache_dtype != "auto":
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    return key_cache.permute(1, 0, 3, 2, 4), value_cache.permute(1, 0, 3, 2)
 
 
 def _head_offsets(call, device):
