@@ -58,9 +58,11 @@ def _drop_library(library):
         return
     # torch 2.1/2.2: releasing the C++ handle deregisters; keep __del__ from doing it twice.
     import torch.library
-    for key in getattr(library, "_op_impls", ()):
-        torch.library._impls.discard(key)
-    library._op_impls = set()
+    for registry, own in (("_impls", "_op_impls"), ("_defs", "_op_defs")):
+        for key in getattr(library, own, ()):
+            getattr(torch.library, registry, set()).discard(key)
+        if hasattr(library, own):
+            setattr(library, own, set())
     library.m = None
 
 
