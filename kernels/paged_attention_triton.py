@@ -1,0 +1,452 @@
+"""Paged-attention decode in Triton: vLLM's paged_attention_v1/v2 contract on any Triton >= 2.3.
+
+Shapes (vLLM's layouts; D = head_size, G = num_heads // num_kv_heads)::
+
+    query, out   [num_seqs, num_heads, D]                      float32 | float16 | bfloat16
+    key_cache    [num_blocks, num_kv_heads, D // x, block_size, x]
+    value_cache  [num_blocks, num_kv_heads, D, block_size]     (uint8 bit patterns for fp8 caches)
+    block_tables [num_seqs, max_blocks_per_seq] int32;  seq_lens [num_seqs] int32
+    v2 buffers:  exp_sums, max_logits [num_seqs, num_heads, P] float32; tmp_out [num_seqs, num_heads, P, D]
+
+``_attention_kernel`` runs on the grid (kv head x head chunk, sequence, split). One program loads
+the query rows of every query head sharing its kv head (G padded to >= 16 rows for ``tl.dot``),
+walks its split's tokens ``BLOCK_N`` at a time through the block table (one whole cache block per
+step where the block holds >= 16 tokens), and keeps an online softmax in float32 with exp2 (log2(e)
+folded into the scale). A split either is the whole sequence (writes ``out``) or a token range that
+writes its max logit, sum of exp and self-normalised output; ``_reduce_kernel`` combines the valid
+splits. v2 uses vLLM's 512-token partitions and buffers; v1 picks its own split from the SM count.
+
+Language: only what Triton 2.3 has (``tl.math.exp2``, ``tl.static_range``, ``.to()``, plain ``range``).
+A sequence whose length exceeds ``max_seq_len`` or its block-table row, or that uses a block id
+outside the cache, is never read out of bounds: its ``out`` becomes NaN.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .contract import PARTITION_SIZE
+from .limits import DeviceLimits
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+FLT_MAX = 3.4028234663852886e38
+EPSILON = 1e-6  # vLLM adds it to every sum it divides by
+FP8_FORMATS = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+
+
+def _fix_interpreter():
+    """Two bugs of Triton 3.x's interpreter (TRITON_INTERPRET=1, the CPU test path), fixed in place:
+    it takes ``int()`` of a 1-element array for a runtime ``range`` bound, which NumPy >= 2.4 refuses;
+    its ``tl.dot`` multiplies bfloat16 tiles as their raw uint16 storage; and it rounds float32 to
+    bfloat16 toward zero where the GPU rounds to nearest even."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if patch is None or builder is None or getattr(patch, "biv100_fixed", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    create_dot = builder.create_dot
+
+    def create_dot_bf16(self, a, b, *rest):
+        def widened(h):
+            if h.dtype != tl.bfloat16:
+                return h
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return create_dot(self, widened(a), widened(b), *rest)
+
+    cast_impl = builder.cast_impl
+
+    def cast_nearest_even(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast_impl(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+        return interpreter.TensorHandle(rounded, tl.bfloat16)
+
+    patch_lang_tensor.biv100_fixed = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    builder.create_dot = create_dot_bf16
+    builder.cast_impl = cast_nearest_even
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter()
+
+
+@triton.jit
+def _decode_fp8(bits, FORMAT: tl.constexpr):
+    """uint8 fp8 bit patterns -> float32 with integer arithmetic only (no fp8 hardware, no subnormal floats)."""
+    b = bits.to(tl.int32) & 0xFF
+    magnitude = b & 0x7F
+    if FORMAT == 1:  # e4m3fn: bias 7, no infinities, 0x7F is NaN
+        exponent = magnitude >> 3
+        mantissa = magnitude & 0x7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        value = tl.where(magnitude == 0x7F, float("nan"), value)
+    else:  # e5m2: bias 15, exponent 31 is inf / NaN
+        exponent = magnitude >> 2
+        mantissa = magnitude & 0x3
+        normal = (((exponent + 112) << 23) | (mantissa << 21)).to(tl.float32, bitcast=True)
+        value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.0000152587890625, normal)
+        value = tl.where(exponent == 31, tl.where(mantissa == 0, float("inf"), float("nan")), value)
+    return tl.where(b >= 0x80, -value, value)
+
+
+@triton.jit
+def _attention_kernel(
+    out_ptr, stride_o0, stride_o1, stride_o2,
+    tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
+    exp_sums_ptr, stride_e0, stride_e1, stride_e2,
+    max_logits_ptr, stride_m0, stride_m1, stride_m2,
+    query_ptr, stride_q0, stride_q1, stride_q2,
+    key_ptr, stride_k0, stride_k1, stride_k2, stride_k3, stride_k4,
+    value_ptr, stride_v0, stride_v1, stride_v2, stride_v3,
+    block_tables_ptr, stride_bt0, stride_bt1,
+    seq_lens_ptr, alibi_ptr, k_scale, v_scale,
+    scale_log2, head_size, queries_per_kv, head_chunks, num_blocks, table_columns, max_seq_len,
+    tokens_per_split, num_splits, tp_rank, num_heads, num_kv_heads, sparse_local_blocks, sparse_vert_stride,
+    sparse_block_size, sparse_sliding_step,
+    HEADS_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    X: tl.constexpr, KV_FORMAT: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr,
+):
+    """Grid (num_kv_heads * head_chunks, num_seqs, num_splits); split s covers tokens
+    [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence. Head sizes are runtime values
+    (a multiple of 8, padded to HEAD_PAD): one compiled kernel serves 80 ... 128."""
+    kv_head = tl.program_id(0) // head_chunks
+    chunk = tl.program_id(0) % head_chunks
+    head_size = tl.multiple_of(head_size, 8)
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_bad = (seq_len < 0) | (seq_len > max_seq_len) | (seq_len > table_columns * BLOCK_SIZE)
+    usable_len = tl.where(seq_bad, 0, seq_len)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, usable_len)
+
+    rows = chunk * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
+    row_ok = rows < queries_per_kv
+    heads = kv_head * queries_per_kv + rows
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < head_size
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(query_ptr + seq.to(tl.int64) * stride_q0 + heads[:, None] * stride_q1 + dims[None, :] * stride_q2,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    dot_dtype = q.dtype
+
+    if SCALES_IN_MEMORY:
+        k_factor = tl.load(k_scale)
+        v_factor = tl.load(v_scale)
+    else:
+        k_factor = k_scale
+        v_factor = v_scale
+    if KV_FORMAT == 0:  # vLLM ignores the scales for unquantised caches
+        qk_scale = scale_log2
+    else:
+        qk_scale = scale_log2 * k_factor  # k * k_scale folded into the logit scale: no extra rounding
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+    if IS_SPARSE:
+        # vLLM's head offset: per query head for a step >= 0, per kv head otherwise (no runtime branch)
+        sparse_offset = tl.where(sparse_sliding_step >= 0,
+                                 (tp_rank * num_heads + heads) * sparse_sliding_step + 1,
+                                 (tp_rank * num_kv_heads + kv_head) * (-sparse_sliding_step) + 1)
+        query_sparse_block = (seq_len - 1) // sparse_block_size
+
+    key_head = key_ptr + kv_head.to(tl.int64) * stride_k1
+    value_head = value_ptr + kv_head.to(tl.int64) * stride_v1
+    key_dims = (dims // X) * stride_k2 + (dims % X) * stride_k4
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt0
+
+    m_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32)
+    acc = tl.zeros([HEADS_BLOCK, HEAD_PAD], dtype=tl.float32)
+    bad_blocks = 0
+    for first in range(start, end, BLOCK_N):
+        tokens = first + offs_n
+        token_ok = tokens < end
+        if BLOCK_N == BLOCK_SIZE:  # one cache block: a scalar id keeps the V rows contiguous (vector loads)
+            block_id = tl.load(table_row + (first // BLOCK_SIZE) * stride_bt1)
+            block_bad = (block_id < 0) | (block_id >= num_blocks)
+            bad_blocks += block_bad.to(tl.int32)
+            block_id = tl.where(block_bad, 0, block_id)
+            load_ok = token_ok & (block_bad == 0)
+            key_base = key_head + block_id.to(tl.int64) * stride_k0
+            value_base = value_head + block_id.to(tl.int64) * stride_v0
+            key_ptrs = key_base + key_dims[:, None] + offs_n[None, :] * stride_k3
+            value_ptrs = value_base + offs_n[:, None] * stride_v3 + dims[None, :] * stride_v2
+        else:  # a step spans several cache blocks (block_size 8) or part of one (a smaller tile)
+            block_id = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_bt1, mask=token_ok, other=0)
+            block_bad = token_ok & ((block_id < 0) | (block_id >= num_blocks))
+            bad_blocks += tl.sum(block_bad.to(tl.int32), axis=0)
+            block_id = tl.where(block_bad, 0, block_id).to(tl.int64)
+            load_ok = token_ok & (block_bad == 0)
+            slots = tokens % BLOCK_SIZE
+            key_ptrs = key_head + block_id[None, :] * stride_k0 + key_dims[:, None] + slots[None, :] * stride_k3
+            value_ptrs = value_head + block_id[:, None] * stride_v0 + slots[:, None] * stride_v3 \
+                + dims[None, :] * stride_v2
+        k = tl.load(key_ptrs, mask=dim_ok[:, None] & load_ok[None, :], other=0)
+        v = tl.load(value_ptrs, mask=load_ok[:, None] & dim_ok[None, :], other=0)
+        if KV_FORMAT != 0:
+            k = _decode_fp8(k, KV_FORMAT).to(dot_dtype)
+            v = _decode_fp8(v, KV_FORMAT).to(dot_dtype)
+
+        logits = tl.dot(q, k, allow_tf32=False) * qk_scale  # [HEADS_BLOCK, BLOCK_N], log2 units
+        if HAS_ALIBI:
+            logits += slopes[:, None] * (tokens - seq_len + 1).to(tl.float32)[None, :]
+        if IS_SPARSE:  # vLLM's rule: skipped blocks get logit -FLT_MAX and add no V
+            key_sparse_block = tokens // sparse_block_size
+            keep = ((key_sparse_block[None, :] + sparse_offset[:, None]) % sparse_vert_stride == 0) \
+                | (key_sparse_block[None, :] > query_sparse_block - sparse_local_blocks)
+            logits = tl.where(keep, logits, -3.4028234663852886e38)
+        logits = tl.where(token_ok[None, :], logits, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(logits - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IS_SPARSE:
+            p = tl.where(keep, p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, allow_tf32=False)
+        m_i = m_new
+
+    if KV_FORMAT != 0:
+        acc = acc * v_factor
+    result = acc / (l_i[:, None] + 1e-6)
+    broken = seq_bad | (bad_blocks > 0)
+    result = tl.where(broken, float("nan"), result)
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if PARTIAL:  # only splits that hold tokens write (vLLM leaves the others untouched)
+        written = start < tl.maximum(seq_len, 0)
+        tmp_ptrs = tmp_ptr + seq.to(tl.int64) * stride_t0 + heads[:, None] * stride_t1 + split * stride_t2 \
+            + dims[None, :] * stride_t3
+        tl.store(tmp_ptrs, result.to(tmp_ptr.dtype.element_ty), mask=out_mask & written)
+        max_logit = tl.where(m_i <= -3.4028234663852886e38, -3.4028234663852886e38, m_i * 0.6931471805599453)
+        max_logit = tl.where(broken, float("nan"), max_logit)
+        exp_sum = tl.where(broken, float("nan"), l_i)
+        tl.store(max_logits_ptr + seq * stride_m0 + heads * stride_m1 + split * stride_m2, max_logit,
+                 mask=row_ok & written)
+        tl.store(exp_sums_ptr + seq * stride_e0 + heads * stride_e1 + split * stride_e2, exp_sum,
+                 mask=row_ok & written)
+    else:
+        out_ptrs = out_ptr + seq.to(tl.int64) * stride_o0 + heads[:, None] * stride_o1 + dims[None, :] * stride_o2
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, stride_o0, stride_o1, stride_o2,
+    tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
+    exp_sums_ptr, stride_e0, stride_e1, stride_e2,
+    max_logits_ptr, stride_m0, stride_m1, stride_m2,
+    seq_lens_ptr, head_size, block_size, table_columns, max_seq_len, tokens_per_split, num_splits,
+    HEAD_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+):
+    """Grid (num_seqs, num_heads): out = sum_p tmp_p * w_p / (sum_p w_p + 1e-6), w_p = exp_sum_p * exp(max_p - max),
+    over the splits that hold tokens only; a single split is copied. A split that met a bad block (NaN)
+    makes the head's out and all its written splits NaN."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_bad = (seq_len < 0) | (seq_len > max_seq_len) | (seq_len > table_columns * block_size)
+    used = tl.minimum((tl.where(seq_bad, 0, seq_len) + tokens_per_split - 1) // tokens_per_split, num_splits)
+
+    splits = tl.arange(0, SPLITS_BLOCK)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < head_size
+    max_row = max_logits_ptr + seq * stride_m0 + head * stride_m1
+    sum_row = exp_sums_ptr + seq * stride_e0 + head * stride_e1
+    tmp_row = tmp_ptr + seq.to(tl.int64) * stride_t0 + head * stride_t1
+
+    global_max = tl.zeros([SPLITS_BLOCK], dtype=tl.float32) - float("inf")
+    nan_splits = tl.zeros([SPLITS_BLOCK], dtype=tl.int32)
+    for first in range(0, used, SPLITS_BLOCK):
+        part = first + splits
+        part_max = tl.load(max_row + part * stride_m2, mask=part < used, other=float("-inf"))
+        nan_splits += (part_max != part_max).to(tl.int32)
+        global_max = tl.maximum(global_max, tl.where(part_max != part_max, float("-inf"), part_max))
+    top = tl.max(global_max, axis=0)
+    broken = seq_bad | (tl.sum(nan_splits, axis=0) > 0)
+
+    acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+    total = tl.zeros([SPLITS_BLOCK], dtype=tl.float32)
+    for first in range(0, used, SPLITS_BLOCK):
+        part = first + splits
+        part_ok = part < used
+        part_max = tl.load(max_row + part * stride_m2, mask=part_ok, other=float("-inf"))
+        part_sum = tl.load(sum_row + part * stride_e2, mask=part_ok, other=0.0)
+        weight = tl.where(part_ok, part_sum * tl.math.exp2((part_max - top) * 1.4426950408889634), 0.0)
+        weight = tl.where(used == 1, tl.where(part_ok, 1.0, 0.0), weight)
+        part_out = tl.load(tmp_row + part[:, None] * stride_t2 + dims[None, :] * stride_t3,
+                           mask=part_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(part_out * weight[:, None], axis=0)
+        total += weight
+        # masked off (no traffic) unless broken
+        tl.store(max_row + part * stride_m2, tl.zeros([SPLITS_BLOCK], dtype=tl.float32) + float("nan"),
+                 mask=part_ok & broken)
+        tl.store(sum_row + part * stride_e2, tl.zeros([SPLITS_BLOCK], dtype=tl.float32) + float("nan"),
+                 mask=part_ok & broken)
+        tl.store(tmp_row + part[:, None] * stride_t2 + dims[None, :] * stride_t3,
+                 (part_out + float("nan")).to(tmp_ptr.dtype.element_ty), mask=part_ok[:, None] & dim_ok[None, :] & broken)
+    denominator = tl.where(used == 1, 1.0, tl.sum(total, axis=0) + 1e-6)
+    result = acc / denominator
+    result = tl.where(broken, float("nan"), result)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + head * stride_o1 + dims * stride_o2,
+             result.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+class _Workspace:
+    """One growing float32 buffer per device for v1's split scratch (reused: calls on a stream run in order)."""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def get(self, device, numel):
+        buffer = self.buffers.get(device)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
+            self.buffers[device] = buffer
+        return buffer
+
+
+def _scale_argument(value, device):
+    """Floats go by value; device tensors by pointer (no host sync); a CPU tensor is read on the host."""
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value, True
+        return float(value.item()), False
+    return value, False
+
+
+def make_forward(limits=None):
+    """``forward(call: contract.DecodeCall) -> None`` for the Triton backend.
+
+    ``limits`` (``limits.DeviceLimits``) bounds the configs; left out, each device's limits are measured at
+    its first call (CPU tensors under ``TRITON_INTERPRET=1`` use ``configs.INTERPRETER_LIMITS``).
+    """
+    plans = {}
+    workspace = _Workspace()
+    device_limits = {}
+
+    def limits_for(device):
+        found = device_limits.get(device)
+        if found is None:
+            if limits is not None:
+                found = limits
+            elif device.type == "cpu":
+                found = configs.INTERPRETER_LIMITS
+            else:
+                found = DeviceLimits.from_torch_device(device)
+            device_limits[device] = found
+        return found
+
+    def forward(call):
+        if call.num_seqs == 0:
+            return
+        query = call.query
+        device = query.device
+        key = (device, query.dtype, call.head_size, call.block_size, call.kv_cache_dtype, call.num_heads,
+               call.num_kv_heads, call.num_seqs, call.max_seq_len, call.is_v2, call.alibi_slopes is not None,
+               call.blocksparse is not None)
+        plan = plans.get(key)
+        if plan is None:
+            plan = _plan(call, limits_for(device))
+            plans[key] = plan
+        _launch(call, plan, workspace)
+
+    return forward
+
+
+class _Plan:
+    """Everything about a launch that depends only on the call's shapes (cached per shape)."""
+
+    __slots__ = ("config", "head_chunks", "num_splits", "tokens_per_split", "partial", "reduce_splits_block",
+                 "grid", "constants")
+
+
+def _plan(call, limits):
+    config = configs.choose_config(limits, call.head_size, call.block_size, call.query.dtype, call.kv_cache_dtype,
+                                   call.queries_per_kv)
+    plan = _Plan()
+    plan.config = config
+    plan.head_chunks = triton.cdiv(call.queries_per_kv, config.heads_block)
+    programs = call.num_kv_heads * plan.head_chunks * call.num_seqs
+    if call.is_v2:
+        plan.tokens_per_split = PARTITION_SIZE
+        plan.num_splits = max(call.max_num_partitions, 1)
+        plan.partial = True
+    else:
+        plan.num_splits, plan.tokens_per_split = configs.choose_splits(limits, programs, call.max_seq_len,
+                                                                       config.block_n)
+        plan.partial = plan.num_splits > 1
+    plan.reduce_splits_block = configs.reduce_splits_block(plan.num_splits, call.head_size)
+    plan.grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, plan.num_splits)
+    plan.constants = dict(
+        HEADS_BLOCK=config.heads_block, HEAD_PAD=triton.next_power_of_2(call.head_size), BLOCK_SIZE=call.block_size,
+        BLOCK_N=config.block_n, X=call.x, KV_FORMAT=FP8_FORMATS[call.kv_cache_dtype],
+        HAS_ALIBI=call.alibi_slopes is not None, IS_SPARSE=call.blocksparse is not None, PARTIAL=plan.partial,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return plan
+
+
+def _launch(call, plan, workspace):
+    query, out, key_cache, value_cache = call.query, call.out, call.key_cache, call.value_cache
+    device = query.device
+    if call.is_v2:
+        tmp, exp_sums, max_logits = call.tmp_out, call.exp_sums, call.max_logits
+    elif plan.partial:
+        rows = call.num_seqs * call.num_heads * plan.num_splits
+        scratch = workspace.get(device, rows * (call.head_size + 2))
+        tmp = scratch[:rows * call.head_size].view(call.num_seqs, call.num_heads, plan.num_splits, call.head_size)
+        exp_sums = scratch[rows * call.head_size:rows * (call.head_size + 1)].view(
+            call.num_seqs, call.num_heads, plan.num_splits)
+        max_logits = scratch[rows * (call.head_size + 1):rows * (call.head_size + 2)].view(
+            call.num_seqs, call.num_heads, plan.num_splits)
+    else:
+        tmp, exp_sums, max_logits = out.unsqueeze(2), out, out  # unused (PARTIAL off): any valid pointer
+    k_scale, scales_in_memory = _scale_argument(call.k_scale, device)
+    v_scale, _ = _scale_argument(call.v_scale, device)
+    if scales_in_memory != isinstance(v_scale, torch.Tensor):  # one kind for both, to keep one specialisation
+        k_scale, v_scale = (float(k_scale.item()) if isinstance(k_scale, torch.Tensor) else k_scale,
+                            float(v_scale.item()) if isinstance(v_scale, torch.Tensor) else v_scale)
+        scales_in_memory = False
+    sparse = call.blocksparse
+    if sparse is not None:
+        sparse_args = (sparse.tp_rank, sparse.local_blocks, sparse.vert_stride, sparse.block_size,
+                       sparse.head_sliding_step)
+    else:
+        sparse_args = (0, 0, 1, 1, 0)
+    alibi = call.alibi_slopes if call.alibi_slopes is not None else call.seq_lens
+    block_tables = call.block_tables
+    tables_stride = block_tables.stride()
+
+    _attention_kernel[plan.grid](
+        out, *out.stride(), tmp, *tmp.stride(), exp_sums, *exp_sums.stride(), max_logits, *max_logits.stride(),
+        query, *query.stride(), key_cache, *key_cache.stride(), value_cache, *value_cache.stride(),
+        block_tables, *tables_stride, call.seq_lens, alibi, k_scale, v_scale,
+        call.scale * LOG2E, call.head_size, call.queries_per_kv, plan.head_chunks, call.num_blocks,
+        block_tables.shape[1], call.max_seq_len, plan.tokens_per_split, plan.num_splits, sparse_args[0],
+        call.num_heads, call.num_kv_heads, *sparse_args[1:],
+        SCALES_IN_MEMORY=scales_in_memory, **plan.constants)
+    if plan.partial:
+        _reduce_kernel[(call.num_seqs, call.num_heads)](
+            out, *out.stride(), tmp, *tmp.stride(), exp_sums, *exp_sums.stride(), max_logits, *max_logits.stride(),
+            call.seq_lens, call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len,
+            plan.tokens_per_split, plan.num_splits, HEAD_PAD=plan.constants["HEAD_PAD"],
+            SPLITS_BLOCK=plan.reduce_splits_block, num_warps=configs.REDUCE_NUM_WARPS)

@@ -1,0 +1,183 @@
+"""Every kernel variant the Triton backend can launch on a device, and their ahead-of-time compile.
+
+``variant_list(limits)`` enumerates (kernel, head_size, block_size, dtype, kv format, config) for
+every head size, block size, query dtype and cache format the contract allows, with the config
+``configs.choose_config`` picks under those limits. ``compile_variants(capability, shared_memory_limit)``
+compiles each with ``triton.compile(ASTSource, target=GPUTarget("cuda", capability, warp_size))``: no
+GPU needed. Each variant is compiled with ALiBi, block sparsity and split outputs switched on (the
+superset of its code); head sizes that pad to the same tile share one compiled kernel (the head
+size is a runtime argument). Compiles run in fresh processes (``TRITON_INTERPRET`` would turn
+``triton.jit`` into the interpreter), ``workers`` at a time.
+"""
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
+import torch
+
+from . import configs, contract
+from .limits import DeviceLimits
+
+CACHE_FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2")
+# One representative group size per heads_block class (16, 32, 64 query rows).
+GROUP_CLASSES = (1, 32, 64)
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# Strides Triton specialises to the constant 1 on vLLM's layouts (contiguous innermost dims).
+_UNIT_STRIDES = ("stride_o2", "stride_t3", "stride_e2", "stride_m2", "stride_q2", "stride_k4", "stride_v3",
+                 "stride_bt1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """``kernel`` is "attention" or "reduce"; ``config`` a ``configs.KernelConfig`` (attention) or
+    ``(splits_block, num_warps, scratch dtype)`` (reduce, whose ``block_size`` is 0: it does not depend on it)."""
+
+    kernel: str
+    head_size: int
+    block_size: int
+    dtype: str
+    kv_cache_dtype: str
+    config: object
+
+    def compile_key(self):
+        """What the compiled code depends on: variants with equal keys share one binary."""
+        return (self.kernel, configs._next_power_of_2(self.head_size), self.block_size, self.dtype,
+                self.kv_cache_dtype, self.config)
+
+
+def variant_list(limits):
+    """Every variant the backend can launch under ``limits`` (a ``DeviceLimits``)."""
+    found = []
+    for head_size in contract.HEAD_SIZES:
+        for dtype in contract.QUERY_DTYPES:
+            for block_size in contract.BLOCK_SIZES:
+                for kv_cache_dtype in CACHE_FORMATS:
+                    picked = []
+                    for group in GROUP_CLASSES:
+                        config = configs.choose_config(limits, head_size, block_size, dtype, kv_cache_dtype, group)
+                        if config not in picked:
+                            picked.append(config)
+                    found += [Variant("attention", head_size, block_size, _DTYPE_NAMES[dtype], kv_cache_dtype, c)
+                              for c in picked]
+            # The reduce reads v2's tmp_out (query dtype) or v1's float32 scratch; its widest tile.
+            splits_block = configs.reduce_splits_block(1 << 30, head_size)
+            for scratch in sorted({_DTYPE_NAMES[dtype], "float32"}):
+                found.append(Variant("reduce", head_size, 0, _DTYPE_NAMES[dtype], "auto",
+                                     (splits_block, configs.REDUCE_NUM_WARPS, scratch)))
+    return found
+
+
+def target_limits(capability, shared_memory_limit, warp_size=32, multiprocessor_count=16):
+    return DeviceLimits(shared_memory_per_block=int(shared_memory_limit), multiprocessor_count=multiprocessor_count,
+                        warp_size=warp_size, capability=tuple(capability))
+
+
+def compile_variants(capability, shared_memory_limit, progress=None, *, warp_size=32, workers=None,
+                     variants=None):
+    """Compile every variant for ``capability`` (e.g. (7, 0)) without a GPU.
+
+    Returns one dict per variant: kernel, head_size, block_size, dtype, kv_cache_dtype, config (a dict),
+    shared_bytes, ok (compiled and within ``shared_memory_limit``), error (None or the message).
+    ``progress(done, total)`` is called after each compile.
+    """
+    capability = tuple(capability)
+    if variants is None:
+        variants = variant_list(target_limits(capability, shared_memory_limit, warp_size))
+    unique = {}
+    for variant in variants:
+        unique.setdefault(variant.compile_key(), variant)
+    workers = workers or max(1, min(os.cpu_count() or 1, len(unique)))
+    outcomes = {}
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = {pool.submit(_compile_one, variant, capability, warp_size): key for key, variant in unique.items()}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            outcomes[futures[future]] = future.result()
+            if progress is not None:
+                progress(done, len(futures))
+    results = []
+    for variant in variants:
+        shared, error = outcomes[variant.compile_key()]
+        if error is None and shared > shared_memory_limit:
+            error = f"needs {shared} bytes of shared memory, over the limit of {shared_memory_limit}"
+        config = variant.config
+        results.append({
+            "kernel": variant.kernel, "head_size": variant.head_size, "block_size": variant.block_size,
+            "dtype": variant.dtype, "kv_cache_dtype": variant.kv_cache_dtype,
+            "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config)
+            else {"splits_block": config[0], "num_warps": config[1], "scratch_dtype": config[2]},
+            "shared_bytes": shared, "ok": error is None, "error": error})
+    return results
+
+
+def _compile_one(variant, capability, warp_size):
+    """(shared bytes, None) or (None, error message); runs in a worker process."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from . import paged_attention_triton as kernels
+
+        if variant.kernel == "attention":
+            fn, constants, options = _attention_source(kernels, variant)
+        else:
+            fn, constants, options = _reduce_source(variant)
+            fn = kernels._reduce_kernel
+        signature, constexprs, attrs = _signature(fn, variant, constants)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                  target=GPUTarget("cuda", capability[0] * 10 + capability[1], warp_size),
+                                  options=options)
+        return int(compiled.metadata.shared), None
+    except Exception as error:  # reported per variant, not raised: the caller wants the whole table
+        return None, f"{type(error).__name__}: {error}"[:2000]
+
+
+def _attention_source(kernels, variant):
+    config = variant.config
+    x = 16 if variant.kv_cache_dtype != "auto" else 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[variant.dtype]
+    constants = dict(HEADS_BLOCK=config.heads_block, HEAD_PAD=configs._next_power_of_2(variant.head_size),
+                     BLOCK_SIZE=variant.block_size, BLOCK_N=config.block_n, X=x,
+                     KV_FORMAT=kernels.FP8_FORMATS[variant.kv_cache_dtype], SCALES_IN_MEMORY=True,
+                     HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True)
+    return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _reduce_source(variant):
+    splits_block, num_warps, _ = variant.config
+    constants = dict(HEAD_PAD=configs._next_power_of_2(variant.head_size), SPLITS_BLOCK=splits_block)
+    return None, constants, dict(num_warps=num_warps, num_stages=1)
+
+
+def _signature(fn, variant, constants):
+    """Triton types for every argument, as a launch on vLLM's tensors would specialise them."""
+    query_type = _TRITON_TYPES[variant.dtype]
+    cache_type = "u8" if variant.kv_cache_dtype != "auto" else query_type
+    float32_pointers = {"exp_sums_ptr", "max_logits_ptr", "alibi_ptr", "k_scale", "v_scale"}
+    signature, constexprs = {}, dict(constants)
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in _UNIT_STRIDES:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        elif name in float32_pointers:
+            signature[name] = "*fp32"
+        elif name in ("block_tables_ptr", "seq_lens_ptr"):
+            signature[name] = "*i32"
+        elif name in ("key_ptr", "value_ptr"):
+            signature[name] = "*" + cache_type
+        elif name == "tmp_ptr" and variant.kernel == "reduce":
+            signature[name] = "*" + _TRITON_TYPES[variant.config[2]]
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + query_type
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    pointers = [i for i, name in enumerate(fn.arg_names) if signature[name].startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    return signature, constexprs, attrs

@@ -1,0 +1,263 @@
+"""The Triton backend against vLLM's golden outputs and the float64 reference.
+
+On CPU it runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on CUDA on the device.
+Golden cases: every output of v1 and v2 within 2x vLLM's own error + 1e-5. Random cases: a
+(dtype, cache format, shape) table at vLLM's test tolerances; then the paths the planner picks
+(split-KV v1, head chunks, gathered steps), the edges, bad tables, and the config choice.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels import configs, get_backend, paged_attention_triton
+from kernels.limits import DeviceLimits
+from tests import golden
+from tests.reference import fp8_bits_to_float64, reference_attention
+
+BACKEND = get_backend("triton")
+# Many SMs: v1 splits every sequence (split-KV and its reduce); 16 SMs x 48 KB: a BI-V100's figures.
+SPLITTING = get_backend("triton", limits=DeviceLimits(48 * 1024, 1024, 32, (7, 0)))
+BI_V100 = DeviceLimits(48 * 1024, 16, 64, (7, 0))
+
+
+# --- golden cases --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", golden.VERSIONS)
+@pytest.mark.parametrize("name", golden.golden_case_names())
+def test_golden(name, version, device):
+    case = golden.golden_case(name)
+    outputs = golden.run_op(BACKEND, case["inputs"], version, device)
+    errors = golden.check_against_reference(outputs, golden.reference_for(case), golden.golden_tolerance(case, version))
+    assert errors["out"] > 0  # a real comparison ran
+
+
+def test_golden_cases_are_there():
+    assert len(golden.golden_case_names()) == 20, "golden data not found (BIV100_GOLDEN_DIR)"
+
+
+# --- random cases: a (query dtype, cache format, shape) table ------------------------------------
+
+# dtype, kv_cache_dtype, head_size, block_size, num_heads, num_kv_heads, seq_lens, alibi
+RANDOM_CASES = [
+    (torch.float32, "auto", 32, 8, 4, 4, [1, 9, 40], False),
+    (torch.float16, "auto", 64, 16, 8, 2, [0, 17, 530], True),
+    (torch.bfloat16, "auto", 80, 32, 6, 1, [33, 1025], False),
+    (torch.float16, "fp8_e4m3", 96, 8, 4, 2, [511, 512, 513], True),
+    (torch.bfloat16, "fp8_e5m2", 112, 16, 2, 1, [100], False),
+    (torch.float32, "auto", 120, 32, 3, 3, [7, 64], True),
+    (torch.bfloat16, "fp8", 128, 16, 8, 8, [1, 600], False),
+    (torch.float16, "auto", 192, 8, 4, 1, [300, 2], True),
+    (torch.float32, "fp8_e4m3", 256, 32, 2, 2, [700, 31], False),
+    (torch.float16, "auto", 128, 16, 40, 1, [70, 3], False),  # 40 query heads per kv head: 3 head chunks
+]
+
+
+def _case_id(case):
+    dtype, fmt, head, block, heads, kv_heads, lens, alibi = case
+    return f"{str(dtype)[6:]}-{fmt}-d{head}-b{block}-h{heads}x{kv_heads}-L{max(lens)}" + ("-alibi" if alibi else "")
+
+
+@pytest.mark.parametrize("case", RANDOM_CASES, ids=_case_id)
+def test_random_cases(case, device):
+    dtype, kv_cache_dtype, head_size, block_size, num_heads, num_kv_heads, seq_lens, alibi = case
+    inputs = golden.random_case(dtype, head_size, block_size, num_heads, num_kv_heads, seq_lens, alibi=alibi,
+                                kv_cache_dtype=kv_cache_dtype, poison=True, seed=head_size)
+    ref = golden.reference_for(inputs)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(BACKEND, inputs, version, device)
+        golden.check_against_reference(outputs, ref, golden.random_tolerance(inputs))
+
+
+# --- the planner's paths -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,block_size", [(torch.float16, 16), (torch.bfloat16, 8), (torch.float32, 32)])
+def test_split_kv_v1_matches_reference(dtype, block_size, device):
+    inputs = golden.random_case(dtype, 64, block_size, 4, 2, [1, 300, 1200, 0], alibi=True, poison=True)
+    outputs = golden.run_op(SPLITTING, inputs, "v1", device)
+    golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
+
+
+def test_split_kv_is_planned_from_the_sm_count():
+    few = DeviceLimits(48 * 1024, 16, 64, (7, 0))
+    many = DeviceLimits(228 * 1024, 132, 32, (9, 0))
+    assert configs.choose_splits(few, 64 * 8, 8192, 16) == (1, 8192)  # the grid already fills 16 SMs
+    splits, tokens = configs.choose_splits(many, 8, 32768, 16)
+    assert splits * 8 >= 132 * 2 and splits * tokens >= 32768 > (splits - 1) * tokens and tokens % 16 == 0
+    assert configs.choose_splits(many, 8, 300, 16) == (1, 300)  # too short to split
+
+
+def test_bi_v100_limits_pick_48kb_configs_with_two_warps_of_64():
+    for head_size in (32, 80, 128, 192, 256):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for kv_cache_dtype in ("auto", "fp8_e4m3"):
+                config = configs.choose_config(BI_V100, head_size, 16, dtype, kv_cache_dtype, 8)
+                assert config.num_warps * BI_V100.warp_size == configs.THREADS_PER_PROGRAM
+                assert config.num_stages == 1 and config.heads_block == 16
+                assert configs.estimate_shared_bytes((7, 0), head_size, config.block_n, config.heads_block, dtype,
+                                                     kv_cache_dtype, 1) <= 48 * 1024
+
+
+def test_large_shared_memory_groups_query_heads_in_one_program():
+    h200 = DeviceLimits(232448, 132, 32, (9, 0))
+    assert configs.choose_config(h200, 128, 16, torch.float16, "auto", 8).heads_block == 16
+    assert configs.choose_config(h200, 128, 16, torch.float16, "auto", 64).heads_block == 64
+    with pytest.raises(ValueError, match="shared_memory_per_block"):
+        configs.choose_config(DeviceLimits(1024, 16, 32, (7, 0)), 128, 16, torch.float16, "auto", 8)
+
+
+def test_limits_narrowed_to_a_budget():
+    limits = DeviceLimits(232448, 132, 32, (9, 0))
+    assert limits.with_shared_memory_limit(49152).shared_memory_per_block == 49152
+    assert limits.with_shared_memory_limit(None) is limits
+
+
+# --- edges ---------------------------------------------------------------------------------------
+
+def test_seq_len_zero_gives_zeros_and_writes_no_partition(device):
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [0, 0, 700], poison=True)
+    for backend in (BACKEND, SPLITTING):
+        for version in golden.VERSIONS:
+            outputs = golden.run_op(backend, inputs, version, device)
+            assert torch.equal(outputs["out"][:2].cpu(), torch.zeros(2, 4, 64, dtype=torch.float16))
+            golden.check_against_reference({k: v[2:] for k, v in outputs.items()},
+                                           {k: v[2:] for k, v in golden.reference_for(inputs).items()},
+                                           golden.random_tolerance(inputs))
+
+
+def test_all_sequences_empty_and_no_sequences(device):
+    inputs = golden.random_case(torch.bfloat16, 128, 16, 2, 1, [0, 0])
+    for version in golden.VERSIONS:
+        assert torch.equal(golden.run_op(BACKEND, inputs, version, device)["out"].cpu(),
+                           torch.zeros(2, 2, 128, dtype=torch.bfloat16))
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [])
+    inputs["max_seq_len"] = 0
+    assert golden.run_op(BACKEND, inputs, "v2", device)["out"].shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_nan_in_unused_slots_changes_nothing(kv_cache_dtype, device):
+    args = (torch.bfloat16, 64, 8, 8, 2, [3, 515, 1030])
+    clean = golden.random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7)
+    poisoned = golden.random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7, poison=True)
+    for version in golden.VERSIONS:
+        expected = golden.run_op(BACKEND, clean, version, device)
+        actual = golden.run_op(BACKEND, poisoned, version, device)
+        for name, tensor in expected.items():
+            assert torch.equal(actual[name].isnan(), tensor.isnan())
+            assert torch.equal(actual[name].nan_to_num(), tensor.nan_to_num()), name
+
+
+def test_strided_tensors_give_the_same_result(device):
+    inputs = golden.to_device(golden.random_case(torch.float16, 128, 16, 4, 2, [20, 700], poison=True), device)
+    expected = golden.nan_buffers(inputs, "v2", device)
+    golden.call_op(BACKEND, "v2", expected, inputs)
+    strided = dict(inputs)
+    strided["query"] = golden.non_contiguous(inputs["query"], dims=(0, 2))
+    strided["key_cache"] = golden.non_contiguous(inputs["key_cache"], dims=(0, 1))
+    strided["value_cache"] = golden.non_contiguous(inputs["value_cache"], dims=(1, 3))
+    strided["block_tables"] = inputs["block_tables"].t().contiguous().t()
+    buffers = {name: golden.non_contiguous(tensor, dims=(0, 1))
+               for name, tensor in golden.nan_buffers(inputs, "v2", device).items()}
+    golden.call_op(BACKEND, "v2", buffers, strided)
+    for name, tensor in expected.items():
+        assert not buffers[name].is_contiguous()
+        assert torch.equal(buffers[name].nan_to_num(), tensor.nan_to_num()), name
+        assert torch.equal(buffers[name].isnan(), tensor.isnan()), name
+
+
+def test_scale_as_float_or_tensor(device):
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 1, [40, 600], kv_cache_dtype="fp8_e4m3",
+                                k_scale=0.02, v_scale=0.03, poison=True)
+    ref = golden.reference_for(inputs)
+    for version in golden.VERSIONS:
+        as_float = golden.run_op(BACKEND, inputs, version, device)
+        as_tensor = golden.run_op(BACKEND, inputs, version, device, scale_as_tensor=True)
+        golden.check_against_reference(as_float, ref, golden.random_tolerance(inputs))
+        for name, tensor in as_float.items():
+            assert torch.equal(as_tensor[name].nan_to_num(), tensor.nan_to_num()), name
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_decoding_of_every_bit_pattern(fmt, device):
+    """Token t's V holds code t in dimension t (zeros elsewhere) and the query is zero, so each weight is
+    1/256 and out[d] = decode(d) / 256 exactly: all 256 codes, NaN and infinities included."""
+    inputs = golden.random_case(torch.float32, 256, 16, 1, 1, [256], kv_cache_dtype=fmt, spare_blocks=0)
+    inputs["query"].zero_()
+    value_cache = torch.zeros_like(inputs["value_cache"])
+    for token in range(256):
+        value_cache[int(inputs["block_tables"][0, token // 16]), 0, token, token % 16] = token
+    inputs["value_cache"] = value_cache
+    out = golden.run_op(BACKEND, inputs, "v1", device)["out"][0, 0].cpu().double()
+    expected = fp8_bits_to_float64(torch.arange(256), fmt) / 256
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+BLOCKSPARSE = [
+    # local_blocks, vert_stride, block_size, head_sliding_step, tp_rank
+    (2, 4, 64, 1, 0),
+    (1, 3, 32, -1, 1),
+    (4, 16, 64, 0, 0),   # vert_stride * 64 > 512: some partitions are skipped entirely
+]
+
+
+@pytest.mark.parametrize("sparse", BLOCKSPARSE, ids=str)
+def test_blocksparse_matches_reference(sparse, device):
+    local_blocks, vert_stride, bs_block_size, sliding_step, tp_rank = sparse
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [5, 700, 2100], poison=True, seed=vert_stride)
+    ref = reference_attention(**inputs, blocksparse=dict(local_blocks=local_blocks, vert_stride=vert_stride,
+                                                         block_size=bs_block_size, head_sliding_step=sliding_step,
+                                                         tp_rank=tp_rank))
+    tail = dict(tp_rank=tp_rank, blocksparse_local_blocks=local_blocks, blocksparse_vert_stride=vert_stride,
+                blocksparse_block_size=bs_block_size, blocksparse_head_sliding_step=sliding_step)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(BACKEND, inputs, version, device, **tail)
+        golden.check_against_reference(outputs, ref, golden.random_tolerance(inputs))
+
+
+# --- bad tables: NaN for the sequence concerned, never an out-of-bounds access -------------------
+
+def _entry_too_large(inputs):
+    inputs["block_tables"][1, 1] = inputs["key_cache"].shape[0]
+
+
+def _entry_negative(inputs):
+    inputs["block_tables"][1, 0] = -5
+
+
+def _too_few_columns(inputs):
+    inputs["seq_lens"][1] = inputs["block_tables"].shape[1] * 16 + 1
+    inputs["max_seq_len"] = int(inputs["seq_lens"].max())
+
+
+def _longer_than_max_seq_len(inputs):
+    inputs["seq_lens"][1] = inputs["max_seq_len"] + 1
+
+
+@pytest.mark.parametrize("breaker", [_entry_too_large, _entry_negative, _too_few_columns, _longer_than_max_seq_len],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_bad_table_gives_nan_for_that_sequence_only(breaker, device):
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [100, 600, 40], poison=True)
+    ref = golden.reference_for(inputs)
+    breaker(inputs)
+    for backend in (BACKEND, SPLITTING):
+        for version in golden.VERSIONS:
+            outputs = golden.run_op(backend, inputs, version, device)
+            assert torch.isnan(outputs["out"][1]).all()
+            if version == "v2":
+                assert torch.isnan(outputs["max_logits"][1]).all() and torch.isnan(outputs["tmp_out"][1]).all()
+            good = [0, 2]
+            golden.check_against_reference({k: v[good] for k, v in outputs.items()},
+                                           {k: v[good] for k, v in ref.items()}, golden.random_tolerance(inputs))
+
+
+def test_plans_are_cached_per_shape(monkeypatch, device):
+    calls = []
+    plan = paged_attention_triton._plan
+    monkeypatch.setattr(paged_attention_triton, "_plan", lambda *a: calls.append(a) or plan(*a))
+    backend = get_backend("triton")
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [10, 20])
+    for _ in range(3):
+        golden.run_op(backend, inputs, "v1", device)
+    assert len(calls) == 1
