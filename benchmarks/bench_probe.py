@@ -55,8 +55,8 @@ def time_lookups(lookups):
     from biv100_patch import probe
 
     results = {}
-    for name, function in (("load_decision", probe.load_decision),
-                           ("get_decision (reused record)", lambda: probe.get_decision(progress=False))):
+    for name, function in (("load_decision()", probe.load_decision),
+                           ("get_decision() on a reused record", lambda: probe.get_decision(progress=False))):
         function()
         times = []
         for _ in range(lookups):
@@ -111,17 +111,19 @@ def main():
     directory = _common.results_dir(arguments.results_root, device)
     _common.write_json(directory / "probe.json", payload)
     rows = [[f"`{label}` (record reused, interpreter start included)", f"{cli['median_s'] * 1e3:.0f} ms",
-             f"{cli['max_s'] * 1e3:.0f} ms", f"< {CLI_TARGET_S * 1e3:.0f} ms", "yes" if payload["cli"]["met"] else "NO"]]
+             f"{cli['p95_s'] * 1e3:.0f} ms", f"{cli['max_s'] * 1e3:.0f} ms", f"< {CLI_TARGET_S * 1e3:.0f} ms (max)",
+             "yes" if payload["cli"]["met"] else "NO"]]
     for name, values in lookup_summaries.items():
-        rows.append([f"`{name}()` with torch imported", f"{values['median_s'] * 1e3:.2f} ms",
-                     f"{values['max_s'] * 1e3:.2f} ms", f"< {LOOKUP_TARGET_S * 1e3:.0f} ms",
-                     "yes" if payload["lookups"][name]["met"] else "NO"])
-    table = _common.markdown_table(["what", "median", "max", "target", "met"], rows)
+        rows.append([f"`{name}` with torch imported", f"{values['median_s'] * 1e3:.2f} ms",
+                     f"{values['p95_s'] * 1e3:.2f} ms", f"{values['max_s'] * 1e3:.2f} ms",
+                     f"< {LOOKUP_TARGET_S * 1e3:.0f} ms (median)", "yes" if payload["lookups"][name]["met"] else "NO"])
+    table = _common.markdown_table(["what", "median", "p95", "max", "target", "met"], rows)
     environment_line = (f"{payload['environment']['gpu']}, torch {payload['environment']['torch']}, "
                         f"python {payload['environment']['python']}, {payload['environment']['date']}")
     text = (f"# Probe speed\n\n{environment_line}. Decision: **{found['decision']['backend']}** "
             f"({found['decision']['reason']})\n\n{table}\n\n"
-            f"{cli['runs']} CLI runs, {arguments.lookups} lookups each; the CLI's target holds for its slowest run.\n")
+            f"{cli['runs']} CLI runs and {arguments.lookups} lookups of each kind on a {os.cpu_count()}-core machine; "
+            "the CLI's target is checked on its slowest run, the lookups' on their median.\n")
     (directory / "probe.md").write_text(text)
     print(text)
 

@@ -115,6 +115,8 @@ def _size(value, unit=1024, suffixes=("B", "KB", "MB", "GB")):
 
 def summary(found):
     """The human summary: device, versions, each check with ✓/✗ and seconds, decision and reason."""
+    from biv100_patch.probe.record import summary_line
+
     device, storage = found.get("device") or {}, found.get("storage") or {}
     lines = []
     how = "record reused" if storage.get("reused") else "probed now"
@@ -143,8 +145,7 @@ def summary(found):
         lines.append("checks")
         for entry in found["checks"]:
             mark = {"passed": "✓", "skipped": "–"}.get(entry["status"], "✗")
-            error = f"  {entry['error'].splitlines()[0][:120]}" if entry.get("error") and entry["status"] != "skipped" \
-                else ""
+            error = f"  {summary_line(entry['error'])}" if entry.get("error") and entry["status"] != "skipped" else ""
             lines.append(f"  {mark} {entry['step']} {entry['title']:<42} {entry['seconds']:7.2f} s{error}")
     decision = found.get("decision") or {}
     lines.append(f"decision  {decision.get('backend')}: {decision.get('reason')}")
@@ -161,6 +162,7 @@ def summary(found):
 
 def _aot(as_json, capability, shared_memory_limit):
     from biv100_patch.probe import versions
+    from biv100_patch.probe.record import summary_line
 
     try:
         from biv100_patch.kernels import variants
@@ -188,6 +190,7 @@ def _aot(as_json, capability, shared_memory_limit):
             item["error"] = f"needs {item.get('shared_bytes')} bytes of shared memory, over {shared_memory_limit}"
         report.append(item)
     failed = [item for item in report if not item["ok"]]
+
     document = {"target": {"capability": f"{capability[0]}.{capability[1]}",
                            "shared_memory_limit": shared_memory_limit},
                 "versions": versions.collect(), "aot": report,
@@ -199,7 +202,7 @@ def _aot(as_json, capability, shared_memory_limit):
                    f"memory per block: {len(report) - len(failed)} of {len(report)} variants ok")
         for item in report:
             mark = "✓" if item["ok"] else "✗"
-            tail = f"  {str(item.get('error')).splitlines()[0][:120]}" if not item["ok"] and item.get("error") else ""
+            tail = f"  {summary_line(item.get('error'))}" if not item["ok"] and item.get("error") else ""
             click.echo(f"  {mark} {item.get('kernel')} head {item.get('head_size'):>3} block {item.get('block_size'):>2} "
                        f"{item.get('dtype'):<8} {item.get('kv_cache_dtype'):<8} {item.get('shared_bytes')} B{tail}")
     sys.stdout.flush()

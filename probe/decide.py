@@ -6,7 +6,6 @@ lock, so that processes starting together probe once. ``load_decision`` only rea
 imports torch, starts a process or initialises a device, for the import hook and the patcher.
 """
 
-import copy
 import logging
 import os
 import sys
@@ -111,11 +110,6 @@ def lookup(store, host, index, identity, need_bench=False):
     return (candidates[0] if candidates else None), problems
 
 
-def _first_line(text, limit=160):
-    line = (text or "").strip().splitlines()[0] if (text or "").strip() else "no error text"
-    return line if len(line) <= limit else line[:limit] + " …"
-
-
 def decide_from_checks(checks, timeout, bench):
     """``{"backend", "reason", "source"}`` from the ladder's entries."""
     failed = next((entry for entry in checks if entry["status"] != "passed"), None)
@@ -126,7 +120,7 @@ def decide_from_checks(checks, timeout, bench):
             reason = (f"Triton step {failed['step']} ({failed['title']}) did not finish within {timeout:g} s, "
                       "so the PyTorch backend is used.")
         else:
-            reason = (f"Triton step {failed['step']} ({failed['title']}) failed ({_first_line(failed['error'])}), "
+            reason = (f"Triton step {failed['step']} ({failed['title']}) failed ({record.summary_line(failed['error'])}), "
                       "so the PyTorch backend is used.")
         return {"backend": "torch", "reason": reason, "source": "probe"}
     matched = next((entry["details"].get("compared") for entry in checks if entry["name"] == "variants_match"), None)
@@ -246,7 +240,7 @@ def apply_override(found, override, origin):
 
 
 def _finish(found, store, *, reused, written, problems, path=None):
-    found = copy.deepcopy(found)
+    # ``found`` is this call's own: freshly parsed or just probed, never shared.
     key = record.device_key(found.get("device"))
     found["storage"] = {"state_dir": store.directory, "key": key, "path": path or store.record_path(key),
                         "reused": reused, "written": written, "problems": problems}
@@ -341,7 +335,7 @@ def _without_torch(store, host, version_report, torch_error):
     device = {"index": None, "name": None, "capability": None, "uuid": None, "accelerator": False,
               "vendor": "unknown", "vendor_signals": [], "error": torch_error}
     decision = {"backend": "off", "source": "no torch",
-                "reason": f"torch cannot be imported ({_first_line(torch_error)}), so there is nothing to patch."}
+                "reason": f"torch cannot be imported ({record.summary_line(torch_error)}), so there is nothing to patch."}
     found = _base_record(host, version_report, device, [], decision, False, time.perf_counter())
     return _finish(found, store, reused=False, written=False, problems=[])
 

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from .record import safe_text
+from .record import safe_text, summary_line
 
 TITLES = {
     "triton_import": "Triton imports",
@@ -83,7 +83,7 @@ def stderr_progress(event, entry):
         print(f"probe: step {entry['step']} {entry['title']} ...", file=sys.stderr, flush=True)
     elif event == "result":
         mark = {"passed": "✓", "skipped": "–"}.get(entry["status"], "✗")
-        tail = f": {entry['error'].splitlines()[0][:160]}" if entry.get("error") else ""
+        tail = f": {summary_line(entry['error'])}" if entry.get("error") else ""
         print(f"probe: {mark} step {entry['step']} {entry['title']} {entry['status']} "
               f"({entry['seconds']:.2f} s){tail}", file=sys.stderr, flush=True)
     elif event == "device":

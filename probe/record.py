@@ -260,6 +260,16 @@ def now():
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix)), unix
 
 
+def summary_line(text, limit=200):
+    """One line for an error: its first line, and its last when there are more (Triton's compile
+    errors start with the source position and end with the message)."""
+    lines = [line.strip() for line in str(text or "").splitlines() if line.strip()]
+    if not lines:
+        return "no error text"
+    line = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"
+    return line if len(line) <= limit else line[:limit] + " …"
+
+
 def safe_text(text, limit=2000):
     """Error text for the record: printable, bounded."""
     text = re.sub(r"[^\S\n]+", " ", str(text)).strip()
