@@ -84,7 +84,9 @@ def _matches(stored_device, index, identity):
             return stored_device["uuid"] == identity["uuid"]
         return (stored_device.get("name"), stored_device.get("capability")) == (identity["name"],
                                                                                identity["capability"])
-    return stored_device.get("index") in (index or 0, None)
+    if index is not None:  # a device asked for by index: only its own record
+        return stored_device.get("index") == index
+    return stored_device.get("index") in (0, None)
 
 
 def lookup(store, host, index, identity, need_bench=False):

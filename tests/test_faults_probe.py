@@ -91,9 +91,26 @@ def test_a_hanging_kernel_times_out(state, monkeypatch, capsys):
                                            "(a hang?); the child was killed")
     assert found["decision"]["reason"] == ("Triton step 3 (paged-attention variants match PyTorch) did not finish "
                                            "within 2 s, so the PyTorch backend is used.")
+    assert ladder_children() == []  # killed and reaped, not left running
     progress = capsys.readouterr().err
     assert "probe: step 3 paged-attention variants match PyTorch ..." in progress
     assert "probe: ✗ step 3 paged-attention variants match PyTorch timeout" in progress
+
+
+def ladder_children():
+    """This process's live children that run the ladder's child code."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                command = handle.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == os.getpid() and b"child_main" in command:
+            found.append(int(pid))
+    return found
 
 
 def test_timeout_from_the_environment(state, monkeypatch):
