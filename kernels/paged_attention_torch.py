@@ -6,36 +6,42 @@ The fallback where Triton is not viable, and the CPU path. ``forward(call)`` tak
 
 How it works. Work is split into tiles of (a chunk of sequences) x (a run of 512-token
 partitions); within a tile everything is batched over sequences, KV heads, partitions and the
-query heads of a group. Per tile::
+query heads of a group (no Python loop per token or partition). Per tile::
 
-    K, V   index_select of the tile's cache blocks through the block table, cache dtype or fp8 decoded
-           K [kv_heads, seqs, partitions, 512, head_size]  (one gather each, laid out for bmm)
-    logits bmm(q group [G, D], K^T) in float32, * scale, + ALiBi, masked past the sequence end
-    per partition: max, sum of exp, probabilities / (sum + 1e-6) rounded to the query dtype (vLLM's
-           rounding), bmm with V accumulated in float32 -> the partition's normalised output
+    K, V    one index_select each through the block table, straight into the layout bmm wants:
+            [kv_heads, seqs, partitions, 512, head_size]; fp8 decoded by one 256-entry table lookup
+    logits  bmm(q group [G, D], K^T) -> float32 q.k; * scale (+ ALiBi, block-sparse -FLT_MAX)
+    softmax per partition: max, sum of exp, p = exp / (sum + 1e-6) rounded to the query dtype
+            (vLLM's rounding), then bmm(p, V) accumulated in float32: the normalised partition output
 
 Then, per chunk of sequences, the partitions are reduced into ``out`` with vLLM's rescaling
-(``w_p = exp_sum_p * exp(max_p - max)``, ``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, one
-partition copied). v2 writes its three per-partition outputs only for partitions
+(``w_p = exp_sum_p * exp(max_p - max)``, ``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a
+single partition copied). v2 writes its three per-partition outputs only for partitions
 ``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query dtype, like
-vLLM's reduce kernel); v1 reduces from float32 partition outputs. seq_len 0 gives zeros.
+vLLM's reduce kernel); v1 reduces from the float32 partition outputs. seq_len 0 gives zeros.
 
-Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included:
-their logits become -inf, and V is zeroed in each sequence's last partition (one partition per
-sequence, the only one that mixes used and unused slots); partitions wholly past the end are
-computed on whatever the clamped indices read and then discarded.
+Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included.
+Only a sequence's last partition mixes used and unused slots: there the logits of unused slots
+become -inf and their V is zeroed (0 * NaN would be NaN). Partitions wholly past the end are
+computed on whatever block 0 holds and then discarded (``torch.where``, never a multiply).
+Masking therefore touches one partition per sequence, not the whole gathered cache.
 
-Matmul precision. Where ``torch.bmm`` takes ``out_dtype`` for the device (CUDA on torch >= 2.8)
+Memory traffic (what the speed rests on). Each K and V byte is read by the gather, written once
+in the matmul layout and read once by the matmul; the float32 logits take a handful of passes
+(bmm, max, add-and-exp with the scale folded in, sum, the rounded probabilities), about
+``4 * G / head_size`` of the K+V bytes each.
+
+Matmul precision. Where ``torch.bmm`` takes ``out_dtype`` for the device (CUDA on recent torch)
 the gathered cache stays in its dtype and the products accumulate and come out in float32;
-elsewhere (CPU, older torch) K, V and the probabilities are upcast to float32 first. Both give
-float32 logits and float32 accumulation of exactly the rounded probabilities.
+elsewhere (CPU, older torch such as the BI-V100's 2.1) K, V and the probabilities are upcast to
+float32 first. Both give float32 logits and float32 accumulation of exactly the rounded p.
 
 Peak extra memory. A tile's working set (gathered K and V, their float32 copies where needed,
-fp8 lookup indices, and float32 logits / probabilities) is estimated per token and kept under
-``MAX_TILE_BYTES`` (256 MiB); a tile never shrinks below one partition of one sequence, so the
-bound is ``max(MAX_TILE_BYTES, 512 * bytes_per_token)``, plus float32 partition outputs
-``[chunk_seqs, num_heads, max_num_partitions, head_size]`` (about ``4 * G / 512`` of the gathered V
-bytes) per chunk.
+fp8 lookup indices, float32 logits and weights, rounded probabilities) is estimated per token
+(``_bytes_per_token``) and kept under ``MAX_TILE_BYTES`` (256 MiB); a tile never shrinks below one
+partition of one sequence, so the bound is ``max(MAX_TILE_BYTES, 512 * bytes_per_token)``, plus
+float32 partition results ``[chunk_seqs, num_heads, max_num_partitions, head_size + 2]`` per chunk
+(about ``4 * G / (512 * element_size)`` of that chunk's gathered V bytes).
 
 Bad tables (documented decision). A sequence whose used block-table entries leave
 ``[0, num_blocks)``, whose seq_len needs more columns than ``block_tables`` has, or whose seq_len is
@@ -175,43 +181,45 @@ def _tile(call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables)
         keys = scaled_tables[0][keys.to(torch.int32)]
         values = scaled_tables[1][values.to(torch.int32)]
 
-    tokens = (torch.arange(parts.start, parts.stop, device=device)[:, None] * width
-              + torch.arange(width, device=device)[None, :])                       # [parts, width]
-    valid = tokens[None] < seq_lens[:, None, None]                                 # [seqs, parts, width]
-
-    # Zero V past the end in each sequence's last partition (0 * NaN would poison the sum).
-    last = ((seq_lens.clamp(min=1) + PARTITION_SIZE - 1) // PARTITION_SIZE - 1 - parts.start)
-    last = last.clamp(0, num_parts - 1)
+    # Only each sequence's last partition mixes used and unused slots (partitions wholly past the end
+    # are discarded by the caller), so masking that one partition per sequence is enough.
+    last = ((seq_lens.clamp(min=1) + PARTITION_SIZE - 1) // PARTITION_SIZE - 1 - parts.start).clamp(0, num_parts - 1)
     rows = torch.arange(num_seqs, device=device)
-    values[:, rows, last] = torch.where(valid[rows, last][None, :, :, None], values[:, rows, last], 0)
+    last_valid = ((parts.start + last)[:, None] * width + torch.arange(width, device=device)) < seq_lens[:, None]
+    values[:, rows, last] = torch.where(last_valid[None, :, :, None], values[:, rows, last], 0)  # 0 * NaN is NaN
 
     query = call.query[seqs].unflatten(1, (kv_heads, group)).permute(1, 0, 2, 3)   # [kv, seqs, G, D]
     query = query[:, :, None].expand(kv_heads, num_seqs, num_parts, group, head_size)
     batch = kv_heads * num_seqs * num_parts
     logits = _bmm32(query.reshape(batch, group, head_size),
                     keys.reshape(batch, width, head_size).transpose(1, 2), mixed)
-    logits = logits.view(kv_heads, num_seqs, num_parts, group, width) * call.scale
-    if call.alibi_slopes is not None:
-        position = (tokens[None] - seq_lens[:, None, None] + 1).float()[None, :, :, None, :]
-        logits = logits + call.alibi_slopes.view(kv_heads, 1, 1, group, 1) * position
-    valid = valid[None, :, :, None, :]
-    logits = torch.where(valid, logits, -math.inf)
-    keep = None
-    if call.blocksparse is not None:
-        sparse = call.blocksparse
-        key_blocks = ((tokens // block_size) * block_size // sparse.block_size)[None, None, :, None, :]
-        query_blocks = ((seq_lens - 1) // sparse.block_size)[None, :, None, None, None]
-        keep = ((key_blocks + _head_offsets(call, device)) % sparse.vert_stride == 0) \
-            | (key_blocks > query_blocks - sparse.local_blocks)
-        logits = torch.where(valid & ~keep, -FLT_MAX, logits)
+    logits = logits.view(kv_heads, num_seqs, num_parts, group, width)              # q.k, float32
+    scale, keep = call.scale, None
+    if call.alibi_slopes is not None or call.blocksparse is not None or scale <= 0:
+        logits, scale = logits * scale, 1.0                                        # explicit logits
+        tokens = (torch.arange(parts.start, parts.stop, device=device)[:, None] * width
+                  + torch.arange(width, device=device)[None, :])                   # [parts, width]
+        if call.alibi_slopes is not None:
+            position = (tokens[None] - seq_lens[:, None, None] + 1).float()[None, :, :, None, :]
+            logits += call.alibi_slopes.view(kv_heads, 1, 1, group, 1) * position
+        if call.blocksparse is not None:
+            sparse = call.blocksparse
+            key_blocks = ((tokens // block_size) * block_size // sparse.block_size)[None, None, :, None, :]
+            query_blocks = ((seq_lens - 1) // sparse.block_size)[None, :, None, None, None]
+            keep = ((key_blocks + _head_offsets(call, device)) % sparse.vert_stride == 0) \
+                | (key_blocks > query_blocks - sparse.local_blocks)
+            logits = torch.where(keep, logits, -FLT_MAX)
+    logits[:, rows, last] = torch.where(last_valid[None, :, None, :], logits[:, rows, last], -math.inf)
 
-    top = logits.amax(dim=-1)
-    weights = torch.exp(logits - top[..., None])
+    # Otherwise the scale is folded in: max(scale * qk) = scale * max(qk) for scale > 0, and
+    # exp(scale * qk - max) is one add and one exp over the tile.
+    top = logits.amax(dim=-1) * scale
+    weights = torch.add(-top[..., None], logits, alpha=scale).exp_()
     total = weights.sum(dim=-1)
-    probs = weights * (1.0 / (total + 1e-6))[..., None]
+    probs = torch.empty(weights.shape, dtype=call.query.dtype, device=device)
+    torch.mul(weights, (1.0 / (total + 1e-6))[..., None], out=probs)               # vLLM rounds p to the query dtype
     if keep is not None:  # skipped tokens count in the sum but their V is never read
-        probs = torch.where(keep, probs, 0.0)
-    probs = probs.to(call.query.dtype)
+        probs.masked_fill_(~keep, 0)
     outputs = _bmm32(probs.view(batch, group, width), values.reshape(batch, width, head_size), mixed)
 
     def by_head(tensor):  # [kv, seqs, parts, G, ...] -> [seqs, heads, parts, ...]

@@ -290,3 +290,26 @@ def test_nan_tolerance_of_unwritten_partitions_is_checked():
     with pytest.raises(AssertionError, match="out: max error"):
         golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
     assert math.isfinite(float(outputs["out"].abs().max()))
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float16, "auto"), (torch.bfloat16, "fp8_e4m3")])
+def test_mixed_precision_matmul_path(dtype, kv_cache_dtype, monkeypatch):
+    """Where bmm can write float32 from half inputs (CUDA), K, V and p stay in the query dtype.
+
+    Emulated on the CPU: the matmul is replaced by an exact float32 one that records its input dtypes.
+    """
+    seen = set()
+
+    def bmm_float32_out(a, b, mixed):
+        assert mixed
+        seen.update((a.dtype, b.dtype))
+        return torch.bmm(a.float(), b.float())
+
+    monkeypatch.setattr(paged_attention_torch, "_bmm_float32_out", lambda device, dtype: True)
+    monkeypatch.setattr(paged_attention_torch, "_bmm32", bmm_float32_out)
+    inputs = golden.random_case(dtype, 128, 16, 8, 2, [3, 700], alibi=True, kv_cache_dtype=kv_cache_dtype,
+                                poison=True)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(BACKEND, inputs, version, "cpu")
+        golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
+    assert seen == {dtype}
