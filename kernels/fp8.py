@@ -7,6 +7,7 @@ entries once per call (``scaled_table``) and the cache decoded with a single gat
 
     decode_table(fmt, device)                -> float32 [256], cached per (format, device); Triton loads from it
     scaled_table(fmt, scale, dtype, device)  -> dtype   [256], round(table * scale) (scale: float or tensor)
+    lookup(table, bits)                      -> table[bits] for a uint8 tensor (int32 indices, no int64 copy)
     decode(bits, fmt, scale, dtype)          -> dtype tensor shaped like ``bits`` (uint8)
 
 ``fmt`` is "fp8_e4m3" (``torch.float8_e4m3fn`` bits; vLLM's "fp8") or "fp8_e5m2".
@@ -73,7 +74,11 @@ def scaled_table(fmt, scale, dtype, device):
     return (table * scale).to(dtype)
 
 
+def lookup(table, bits):
+    """``table[bits]`` for a uint8 tensor of bit patterns (index_select takes int32 indices as they are)."""
+    return torch.index_select(table, 0, bits.reshape(-1).to(torch.int32)).view(bits.shape)
+
+
 def decode(bits, fmt, scale, dtype):
     """Decode a uint8 tensor of fp8 bit patterns into ``dtype`` values times ``scale`` (vLLM's rounding)."""
-    table = scaled_table(fmt, scale, dtype, bits.device)
-    return table[bits.to(torch.int32)]
+    return lookup(scaled_table(fmt, scale, dtype, bits.device), bits)

@@ -178,8 +178,8 @@ def _tile(call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables)
     keys = torch.index_select(key_view, 1, blocks).view(shape)
     values = torch.index_select(value_view, 1, blocks).view(shape)
     if scaled_tables is not None:  # fp8: one lookup decodes and applies vLLM's scale and rounding
-        keys = scaled_tables[0][keys.to(torch.int32)]
-        values = scaled_tables[1][values.to(torch.int32)]
+        keys = fp8.lookup(scaled_tables[0], keys)
+        values = fp8.lookup(scaled_tables[1], values)
 
     # Only each sequence's last partition mixes used and unused slots (partitions wholly past the end
     # are discarded by the caller), so masking that one partition per sequence is enough.
