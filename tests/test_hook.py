@@ -342,7 +342,7 @@ class HookVenv:
         return run_python(self.python, code, *flags, env=self.env(**env), cwd=str(self.root), timeout=timeout)
 
     def env(self, **extra):
-        return clean_env(BIV100_PATCH_HOME=str(self.state), **extra)
+        return clean_env(**{"BIV100_PATCH_HOME": str(self.state), **extra})
 
     def hook(self, call):
         return result_of(self.run("import json; from biv100_patch.patches import hook; "
