@@ -94,9 +94,10 @@ def _patch_after_exec(loader):
 
     def exec_module_then_patch(module):
         exec_module(module)  # vLLM's own errors propagate untouched
-        hand_off(module)
+        if getattr(module, "__name__", None) == TARGET:  # a loader may serve several modules (zipimport)
+            hand_off(module)
 
-    loader.exec_module = exec_module_then_patch  # this loader instance serves this one module
+    loader.exec_module = exec_module_then_patch
 
 
 def hand_off(module):

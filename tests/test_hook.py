@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import types
 
 import pytest
 
@@ -175,6 +176,22 @@ def test_finder_ignores_every_other_module():
     assert finder.find_spec("json", None) is None
     assert finder.find_spec("vllm", None) is None
     assert finder.find_spec("vllm._custom_ops_extra", None) is None
+
+
+def test_a_shared_loader_hands_over_only_vllm_custom_ops(monkeypatch):
+    handed = []
+    monkeypatch.setattr(_startup, "hand_off", lambda module: handed.append(module.__name__))
+
+    class SharedLoader:  # like zipimport's: one loader object for every module of an archive
+        def exec_module(self, module):
+            module.executed = True
+
+    loader = SharedLoader()
+    _startup._patch_after_exec(loader)
+    modules = [types.ModuleType(name) for name in ("vllm.other", "vllm._custom_ops", "json")]
+    for module in modules:
+        loader.exec_module(module)
+    assert handed == ["vllm._custom_ops"] and all(module.executed for module in modules)
 
 
 def test_unsafe_reasons_name_what_others_can_write(tmp_path):
