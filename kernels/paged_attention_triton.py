@@ -107,6 +107,39 @@ def _decode_fp8(bits, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _load_step(key_head, value_head, table_row, stride_bt1, block_id, first, end, num_blocks, key_dims, dims, dim_ok,
+               offs_n, stride_k0, stride_k3, stride_v0, stride_v2, stride_v3,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] (zero past
+    ``end``) and the number of out-of-range block ids met. ``block_id`` is the step's id when the step is one
+    whole cache block (a scalar id keeps V's rows contiguous: vector loads); otherwise ids are gathered per token."""
+    tokens = first + offs_n
+    token_ok = tokens < end
+    if BLOCK_N == BLOCK_SIZE:
+        block_bad = (first < end) & ((block_id < 0) | (block_id >= num_blocks))
+        bad = block_bad.to(tl.int32)
+        safe_id = tl.where(block_bad, 0, block_id).to(tl.int64)
+        load_ok = token_ok & (block_bad == 0)
+        key_ptrs = key_head + safe_id * stride_k0 + key_dims[:, None] + offs_n[None, :] * stride_k3
+        value_ptrs = value_head + safe_id * stride_v0 + offs_n[:, None] * stride_v3 + dims[None, :] * stride_v2
+    else:  # a step spans several cache blocks (block_size 8) or part of one (a smaller tile)
+        ids = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_bt1, mask=token_ok, other=0)
+        ids_bad = token_ok & ((ids < 0) | (ids >= num_blocks))
+        bad = tl.sum(ids_bad.to(tl.int32), axis=0)
+        safe_ids = tl.where(ids_bad, 0, ids).to(tl.int64)
+        load_ok = token_ok & (ids_bad == 0)
+        slots = tokens % BLOCK_SIZE
+        key_ptrs = key_head + safe_ids[None, :] * stride_k0 + key_dims[:, None] + slots[None, :] * stride_k3
+        value_ptrs = value_head + safe_ids[:, None] * stride_v0 + slots[:, None] * stride_v3 \
+            + dims[None, :] * stride_v2
+    k = tl.load(key_ptrs, mask=dim_ok[:, None] & load_ok[None, :], other=0)
+    v = tl.load(value_ptrs, mask=load_ok[:, None] & dim_ok[None, :], other=0)
+    return k, v, bad
+
+
+@triton.jit(do_not_specialize=["num_blocks", "table_columns", "max_seq_len", "tokens_per_split", "num_splits",
+                              "tp_rank", "sparse_local_blocks", "sparse_vert_stride", "sparse_block_size",
+                              "sparse_sliding_step"])
 def _attention_kernel(
     out_ptr, stride_o0, stride_o1, stride_o2,
     tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
@@ -177,37 +210,33 @@ def _attention_kernel(
     m_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32)
     acc = tl.zeros([HEADS_BLOCK, HEAD_PAD], dtype=tl.float32)
-    bad_blocks = 0
+    # Software pipelining by hand (works on every Triton and on GPUs without async copies): the next
+    # step's K and V are in flight while this step computes, the block id two steps ahead.
+    next_id = 0
+    if BLOCK_N == BLOCK_SIZE:
+        next_id = tl.load(table_row + (start // BLOCK_SIZE) * stride_bt1, mask=start < end, other=0)
+    k, v, bad_blocks = _load_step(key_head, value_head, table_row, stride_bt1, next_id, start, end, num_blocks,
+                                  key_dims, dims, dim_ok, offs_n, stride_k0, stride_k3, stride_v0, stride_v2,
+                                  stride_v3, BLOCK_SIZE, BLOCK_N)
+    if BLOCK_N == BLOCK_SIZE:
+        next_id = tl.load(table_row + ((start + BLOCK_N) // BLOCK_SIZE) * stride_bt1, mask=start + BLOCK_N < end,
+                          other=0)
     for first in range(start, end, BLOCK_N):
+        k_next, v_next, bad_next = _load_step(key_head, value_head, table_row, stride_bt1, next_id, first + BLOCK_N,
+                                              end, num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0, stride_k3,
+                                              stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N)
+        if BLOCK_N == BLOCK_SIZE:
+            ahead = first + 2 * BLOCK_N
+            next_id = tl.load(table_row + (ahead // BLOCK_SIZE) * stride_bt1, mask=ahead < end, other=0)
         tokens = first + offs_n
         token_ok = tokens < end
-        if BLOCK_N == BLOCK_SIZE:  # one cache block: a scalar id keeps the V rows contiguous (vector loads)
-            block_id = tl.load(table_row + (first // BLOCK_SIZE) * stride_bt1)
-            block_bad = (block_id < 0) | (block_id >= num_blocks)
-            bad_blocks += block_bad.to(tl.int32)
-            block_id = tl.where(block_bad, 0, block_id)
-            load_ok = token_ok & (block_bad == 0)
-            key_base = key_head + block_id.to(tl.int64) * stride_k0
-            value_base = value_head + block_id.to(tl.int64) * stride_v0
-            key_ptrs = key_base + key_dims[:, None] + offs_n[None, :] * stride_k3
-            value_ptrs = value_base + offs_n[:, None] * stride_v3 + dims[None, :] * stride_v2
-        else:  # a step spans several cache blocks (block_size 8) or part of one (a smaller tile)
-            block_id = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_bt1, mask=token_ok, other=0)
-            block_bad = token_ok & ((block_id < 0) | (block_id >= num_blocks))
-            bad_blocks += tl.sum(block_bad.to(tl.int32), axis=0)
-            block_id = tl.where(block_bad, 0, block_id).to(tl.int64)
-            load_ok = token_ok & (block_bad == 0)
-            slots = tokens % BLOCK_SIZE
-            key_ptrs = key_head + block_id[None, :] * stride_k0 + key_dims[:, None] + slots[None, :] * stride_k3
-            value_ptrs = value_head + block_id[:, None] * stride_v0 + slots[:, None] * stride_v3 \
-                + dims[None, :] * stride_v2
-        k = tl.load(key_ptrs, mask=dim_ok[:, None] & load_ok[None, :], other=0)
-        v = tl.load(value_ptrs, mask=load_ok[:, None] & dim_ok[None, :], other=0)
+        k_tile = k
+        v_tile = v
         if KV_FORMAT != 0:
-            k = _decode_fp8(k, KV_FORMAT).to(dot_dtype)
-            v = _decode_fp8(v, KV_FORMAT).to(dot_dtype)
+            k_tile = _decode_fp8(k, KV_FORMAT).to(dot_dtype)
+            v_tile = _decode_fp8(v, KV_FORMAT).to(dot_dtype)
 
-        logits = tl.dot(q, k, allow_tf32=False) * qk_scale  # [HEADS_BLOCK, BLOCK_N], log2 units
+        logits = tl.dot(q, k_tile, allow_tf32=False) * qk_scale  # [HEADS_BLOCK, BLOCK_N], log2 units
         if HAS_ALIBI:
             logits += slopes[:, None] * (tokens - seq_len + 1).to(tl.float32)[None, :]
         if IS_SPARSE:  # vLLM's rule: skipped blocks get logit -FLT_MAX and add no V
@@ -223,8 +252,11 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IS_SPARSE:
             p = tl.where(keep, p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, allow_tf32=False)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v_tile, allow_tf32=False)
         m_i = m_new
+        bad_blocks += bad_next
+        k = k_next
+        v = v_next
 
     if KV_FORMAT != 0:
         acc = acc * v_factor
@@ -249,7 +281,7 @@ def _attention_kernel(
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_columns", "max_seq_len", "tokens_per_split", "num_splits"])
 def _reduce_kernel(
     out_ptr, stride_o0, stride_o1, stride_o2,
     tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
@@ -311,18 +343,41 @@ def _reduce_kernel(
              result.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-class _Workspace:
-    """One growing float32 buffer per device for v1's split scratch (reused: calls on a stream run in order)."""
+class _Launcher:
+    """One kernel's launches. The first launch of a specialisation goes through Triton's JIT (compile or
+    cache); later ones call the compiled kernel's launcher directly (Triton >= 3), which skips re-binding
+    and re-specialising ~60 arguments: most of a decode call's host time. The caller's key must hold
+    everything Triton specialises on that can change between calls (strides, pointer alignment); the
+    per-call integers are ``do_not_specialize``. Triton 2.x and the interpreter always take the JIT path."""
 
-    def __init__(self):
-        self.buffers = {}
+    def __init__(self, fn):
+        self.fn = fn
+        self.kernels = {}
 
-    def get(self, device, numel):
-        buffer = self.buffers.get(device)
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
-            self.buffers[device] = buffer
-        return buffer
+    def __call__(self, key, grid, device, args, constants):
+        kernel = self.kernels.get(key)
+        if kernel is not None:
+            kernel.run(grid[0], grid[1], grid[2], _current_stream(device.index), kernel.function,
+                       kernel.packed_metadata, None, None, None, *args, *kernel.constexpr_tail)
+            return
+        kernel = self.fn[grid](*args, **constants)
+        if _DIRECT_LAUNCH and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
+            kernel.constexpr_tail = tuple(constants[name] for name in self.fn.arg_names[len(args):])
+            self.kernels[key] = kernel
+
+
+def _direct_launch_available():
+    try:
+        major = int(triton.__version__.split(".")[0])
+        return major >= 3 and hasattr(torch._C, "_cuda_getCurrentRawStream")
+    except (ValueError, AttributeError):
+        return False
+
+
+_DIRECT_LAUNCH = _direct_launch_available()
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_attention = _Launcher(_attention_kernel)
+_reduce = _Launcher(_reduce_kernel)
 
 
 def _scale_argument(value, device):
@@ -331,17 +386,17 @@ def _scale_argument(value, device):
         if value.device == device:
             return value, True
         return float(value.item()), False
-    return value, False
+    return float(value), False
 
 
 def make_forward(limits=None):
     """``forward(call: contract.DecodeCall) -> None`` for the Triton backend.
 
     ``limits`` (``limits.DeviceLimits``) bounds the configs; left out, each device's limits are measured at
-    its first call (CPU tensors under ``TRITON_INTERPRET=1`` use ``configs.INTERPRETER_LIMITS``).
+    its first call (CPU tensors under ``TRITON_INTERPRET=1`` use ``configs.INTERPRETER_LIMITS``). Launch
+    decisions are cached per call shape (not per max_seq_len, which changes every decode step).
     """
     plans = {}
-    workspace = _Workspace()
     device_limits = {}
 
     def limits_for(device):
@@ -360,15 +415,13 @@ def make_forward(limits=None):
         if call.num_seqs == 0:
             return
         query = call.query
-        device = query.device
-        key = (device, query.dtype, call.head_size, call.block_size, call.kv_cache_dtype, call.num_heads,
-               call.num_kv_heads, call.num_seqs, call.max_seq_len, call.is_v2, call.alibi_slopes is not None,
+        key = (query.device, query.dtype, call.head_size, call.block_size, call.kv_cache_dtype, call.num_heads,
+               call.num_kv_heads, call.num_seqs, call.exp_sums is not None, call.alibi_slopes is not None,
                call.blocksparse is not None)
         plan = plans.get(key)
         if plan is None:
-            plan = _plan(call, limits_for(device))
-            plans[key] = plan
-        _launch(call, plan, workspace)
+            plan = plans[key] = _plan(call, limits_for(query.device))
+        _launch(call, plan)
 
     return forward
 
@@ -376,77 +429,100 @@ def make_forward(limits=None):
 class _Plan:
     """Everything about a launch that depends only on the call's shapes (cached per shape)."""
 
-    __slots__ = ("config", "head_chunks", "num_splits", "tokens_per_split", "partial", "reduce_splits_block",
-                 "grid", "constants")
+    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "splits", "scratch", "token")
+
+    def splits_for(self, call):
+        """(num_splits, tokens_per_split): v2 has vLLM's 512-token partitions, v1 its own split-KV."""
+        found = self.splits.get(call.max_seq_len)
+        if found is None:
+            if call.exp_sums is not None:
+                found = (max(call.max_num_partitions, 1), PARTITION_SIZE)
+            else:
+                found = configs.choose_splits(self.limits, self.programs, call.max_seq_len, self.config.block_n)
+            if len(self.splits) > 4096:  # one entry per max_seq_len seen: keep it bounded
+                self.splits.clear()
+            self.splits[call.max_seq_len] = found
+        return found
+
+    def scratch_for(self, call, num_splits):
+        """v1's split outputs (float32, reused by later calls of this shape: a stream runs them in order)."""
+        found = self.scratch.get(num_splits)
+        if found is None:
+            shape = (call.num_seqs, call.num_heads, num_splits)
+            device = call.query.device
+            found = (torch.empty(shape + (call.head_size,), dtype=torch.float32, device=device),
+                     torch.empty(shape, dtype=torch.float32, device=device),
+                     torch.empty(shape, dtype=torch.float32, device=device))
+            self.scratch[num_splits] = found
+        return found
 
 
 def _plan(call, limits):
     config = configs.choose_config(limits, call.head_size, call.block_size, call.query.dtype, call.kv_cache_dtype,
                                    call.queries_per_kv)
     plan = _Plan()
+    plan.limits = limits
     plan.config = config
     plan.head_chunks = triton.cdiv(call.queries_per_kv, config.heads_block)
-    programs = call.num_kv_heads * plan.head_chunks * call.num_seqs
-    if call.is_v2:
-        plan.tokens_per_split = PARTITION_SIZE
-        plan.num_splits = max(call.max_num_partitions, 1)
-        plan.partial = True
-    else:
-        plan.num_splits, plan.tokens_per_split = configs.choose_splits(limits, programs, call.max_seq_len,
-                                                                       config.block_n)
-        plan.partial = plan.num_splits > 1
-    plan.reduce_splits_block = configs.reduce_splits_block(plan.num_splits, call.head_size)
-    plan.grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, plan.num_splits)
+    plan.programs = call.num_kv_heads * plan.head_chunks * call.num_seqs
+    plan.splits = {}
+    plan.scratch = {}
+    plan.token = object()  # identifies this plan in the launchers' keys
     plan.constants = dict(
         HEADS_BLOCK=config.heads_block, HEAD_PAD=triton.next_power_of_2(call.head_size), BLOCK_SIZE=call.block_size,
         BLOCK_N=config.block_n, X=call.x, KV_FORMAT=FP8_FORMATS[call.kv_cache_dtype],
-        HAS_ALIBI=call.alibi_slopes is not None, IS_SPARSE=call.blocksparse is not None, PARTIAL=plan.partial,
+        HAS_ALIBI=call.alibi_slopes is not None, IS_SPARSE=call.blocksparse is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return plan
 
 
-def _launch(call, plan, workspace):
+def _aligned(*tensors):
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _launch(call, plan):
     query, out, key_cache, value_cache = call.query, call.out, call.key_cache, call.value_cache
     device = query.device
-    if call.is_v2:
+    num_splits, tokens_per_split = plan.splits_for(call)
+    partial = call.exp_sums is not None or num_splits > 1
+    if call.exp_sums is not None:
         tmp, exp_sums, max_logits = call.tmp_out, call.exp_sums, call.max_logits
-    elif plan.partial:
-        rows = call.num_seqs * call.num_heads * plan.num_splits
-        scratch = workspace.get(device, rows * (call.head_size + 2))
-        tmp = scratch[:rows * call.head_size].view(call.num_seqs, call.num_heads, plan.num_splits, call.head_size)
-        exp_sums = scratch[rows * call.head_size:rows * (call.head_size + 1)].view(
-            call.num_seqs, call.num_heads, plan.num_splits)
-        max_logits = scratch[rows * (call.head_size + 1):rows * (call.head_size + 2)].view(
-            call.num_seqs, call.num_heads, plan.num_splits)
+    elif partial:
+        tmp, exp_sums, max_logits = plan.scratch_for(call, num_splits)
     else:
         tmp, exp_sums, max_logits = out.unsqueeze(2), out, out  # unused (PARTIAL off): any valid pointer
     k_scale, scales_in_memory = _scale_argument(call.k_scale, device)
-    v_scale, _ = _scale_argument(call.v_scale, device)
-    if scales_in_memory != isinstance(v_scale, torch.Tensor):  # one kind for both, to keep one specialisation
-        k_scale, v_scale = (float(k_scale.item()) if isinstance(k_scale, torch.Tensor) else k_scale,
-                            float(v_scale.item()) if isinstance(v_scale, torch.Tensor) else v_scale)
+    v_scale, v_in_memory = _scale_argument(call.v_scale, device)
+    if scales_in_memory != v_in_memory:  # one kind for both, to keep one specialisation
+        k_scale, v_scale = (float(k_scale.item()) if scales_in_memory else k_scale,
+                            float(v_scale.item()) if v_in_memory else v_scale)
         scales_in_memory = False
     sparse = call.blocksparse
     if sparse is not None:
-        sparse_args = (sparse.tp_rank, sparse.local_blocks, sparse.vert_stride, sparse.block_size,
-                       sparse.head_sliding_step)
+        sparse_args = (sparse.local_blocks, sparse.vert_stride, sparse.block_size, sparse.head_sliding_step)
+        tp_rank = sparse.tp_rank
     else:
-        sparse_args = (0, 0, 1, 1, 0)
+        sparse_args, tp_rank = (0, 1, 1, 0), 0
     alibi = call.alibi_slopes if call.alibi_slopes is not None else call.seq_lens
-    block_tables = call.block_tables
-    tables_stride = block_tables.stride()
-
-    _attention_kernel[plan.grid](
-        out, *out.stride(), tmp, *tmp.stride(), exp_sums, *exp_sums.stride(), max_logits, *max_logits.stride(),
-        query, *query.stride(), key_cache, *key_cache.stride(), value_cache, *value_cache.stride(),
-        block_tables, *tables_stride, call.seq_lens, alibi, k_scale, v_scale,
-        call.scale * LOG2E, call.head_size, call.queries_per_kv, plan.head_chunks, call.num_blocks,
-        block_tables.shape[1], call.max_seq_len, plan.tokens_per_split, plan.num_splits, sparse_args[0],
-        call.num_heads, call.num_kv_heads, *sparse_args[1:],
-        SCALES_IN_MEMORY=scales_in_memory, **plan.constants)
-    if plan.partial:
-        _reduce_kernel[(call.num_seqs, call.num_heads)](
-            out, *out.stride(), tmp, *tmp.stride(), exp_sums, *exp_sums.stride(), max_logits, *max_logits.stride(),
-            call.seq_lens, call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len,
-            plan.tokens_per_split, plan.num_splits, HEAD_PAD=plan.constants["HEAD_PAD"],
-            SPLITS_BLOCK=plan.reduce_splits_block, num_warps=configs.REDUCE_NUM_WARPS)
+    block_tables, seq_lens = call.block_tables, call.seq_lens
+    strides = (out.stride(), tmp.stride(), exp_sums.stride(), max_logits.stride(), query.stride(),
+               key_cache.stride(), value_cache.stride(), block_tables.stride())
+    tensors = (out, tmp, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens, alibi)
+    aligned = _aligned(*tensors)
+    args = (out, *strides[0], tmp, *strides[1], exp_sums, *strides[2], max_logits, *strides[3],
+            query, *strides[4], key_cache, *strides[5], value_cache, *strides[6], block_tables, *strides[7],
+            seq_lens, alibi, k_scale, v_scale, call.scale * LOG2E, call.head_size, call.queries_per_kv,
+            plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len, tokens_per_split, num_splits,
+            tp_rank, call.num_heads, call.num_kv_heads, *sparse_args)
+    constants = dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial)
+    grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
+    _attention((plan.token, strides, aligned, scales_in_memory, partial), grid, device, args, constants)
+    if partial:
+        splits_block = configs.reduce_splits_block(num_splits, call.head_size)
+        args = (out, *strides[0], tmp, *strides[1], exp_sums, *strides[2], max_logits, *strides[3], seq_lens,
+                call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,
+                num_splits)
+        constants = dict(HEAD_PAD=plan.constants["HEAD_PAD"], SPLITS_BLOCK=splits_block,
+                         num_warps=configs.REDUCE_NUM_WARPS, num_stages=1)
+        _reduce((plan.token, strides[:4], aligned[:4] + aligned[8:9], splits_block), (call.num_seqs, call.num_heads), device, args,
+                constants)
