@@ -61,7 +61,8 @@ rm -rf "$dest"
 "$python" -m venv "$dest"
 pip_install() {
     # pip.conf names local index directories that may be absent: drop pip's warnings about them.
-    "$dest/bin/python" -m pip install -q --disable-pip-version-check --no-input "$@" \
+    # --no-compile: bytecode is written on first import instead, for the few modules the tests load.
+    "$dest/bin/python" -m pip install -q --disable-pip-version-check --no-input --no-compile "$@" \
         2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 pip_install torch==2.13.0 "${packages[@]}" "${extra[@]}"

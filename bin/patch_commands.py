@@ -20,6 +20,12 @@ def _would_patch():
             "note": "the signatures are checked again when vllm._custom_ops is imported" if family else None}
 
 
+def _describe_vllm(would):
+    if would["vllm_version"] is None:
+        return "vLLM      not installed here (the hook patches it once it is)"
+    return f"vLLM      {would['vllm_version']}: {would['reason']}"
+
+
 def _hook_error(error):
     click.echo(f"Error: {error}", err=True)
     sys.exit(2)
@@ -61,7 +67,7 @@ def apply_command(backend, refresh, sitecustomize, as_json):
         return
     click.echo(f"decision  {decision.get('backend')}: {decision.get('reason')}")
     click.echo("\n".join(hook.describe(hook_state)))
-    click.echo(f"vLLM      {would['vllm_version'] or 'not installed'}: {would['reason']}")
+    click.echo(_describe_vllm(would))
 
 
 @click.command("status")
@@ -88,7 +94,7 @@ def status_command(as_json):
         from biv100_patch.probe_command import summary
         click.echo(summary(record))
     click.echo("\n".join(hook.describe(hook_state)))
-    click.echo(f"vLLM      {would['vllm_version'] or 'not installed'}: {would['reason']}")
+    click.echo(_describe_vllm(would))
 
 
 @click.command("remove")

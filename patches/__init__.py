@@ -7,8 +7,6 @@ is called, since the import hook imports this package in every interpreter)::
     revert()                     -> True when something was put back
     state()                      -> what the patch did in this process (JSON-ready dict)
     on_custom_ops_loaded(module) -> the import hook's call after vllm._custom_ops has executed
-                                    (also under the name on_custom_ops_imported)
-    record_hook_failure(failure) -> the import hook's report of its own failure, kept in state()
 
 ``apply()`` before vLLM is imported takes effect when ``vllm._custom_ops`` is imported.
 See ``patches/apply.py`` for the details.
@@ -17,7 +15,7 @@ See ``patches/apply.py`` for the details.
 import importlib
 import sys
 
-__all__ = ["apply", "revert", "state", "on_custom_ops_loaded", "on_custom_ops_imported", "record_hook_failure"]
+__all__ = ["apply", "revert", "state", "on_custom_ops_loaded"]
 
 
 def _implementation():
@@ -49,10 +47,4 @@ def on_custom_ops_loaded(module):
     return _implementation().on_custom_ops_loaded(module)
 
 
-def record_hook_failure(failure):
-    """For the import hook: keep its failure (stage, error, message) in ``state()`` and the record."""
-    return _implementation().record_hook_failure(failure)
-
-
-on_custom_ops_imported = on_custom_ops_loaded
 _public_apply = apply

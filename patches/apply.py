@@ -237,18 +237,6 @@ def on_custom_ops_loaded(module):
         return {"backend": "off", "reason": str(error), "source": "error"}
 
 
-def record_hook_failure(failure):
-    """The import hook's report of its own failure (``failure``: stage, error, message); kept in
-    ``state()["hook_failure"]`` and added to the decision record. Never raises."""
-    try:
-        with _lock:
-            _state["hook_failure"] = dict(failure)
-        from .runtime import _record_event
-        _record_event({"event": "hook_failure", **failure})
-    except Exception:
-        pass
-
-
 def _revert_locked():
     global _patch, _requested
     _requested = None
