@@ -89,31 +89,49 @@ def _bmm32(a, b, mixed):
 
 
 def _bytes_per_token(call, mixed):
-    """Working-set bytes of one cached token of one sequence (all heads) inside a tile."""
+    """Upper bound of a tile's working set per cached token of one sequence (all heads)."""
     elem = call.query.element_size()
-    per_dim = 2 * elem                       # gathered K and V in the query dtype
-    if call.kv_cache_dtype != "auto":
-        per_dim += 2 * (1 + 4)                # gathered fp8 bytes and their int32 lookup indices
-    if not mixed:
-        per_dim += 2 * 4                      # float32 copies of K and V
-    per_head = 4 * 4 + 2 * elem               # logits, exp, probabilities (float32), rounded copy
-    return call.num_kv_heads * call.head_size * per_dim + call.num_heads * per_head
+    if mixed:  # K and V gathered in the query dtype; fp8: V's bits and int32 lookup indices meanwhile
+        per_dim = 2 * elem + (5 if call.kv_cache_dtype != "auto" else 0)
+    else:      # K and V in float32, plus the picked blocks (fp8: also their permuted bits and indices)
+        per_dim = 2 * 4 + (6 if call.kv_cache_dtype != "auto" else elem)
+    per_head = 4 + 4 + elem + (0 if mixed else 4)            # q.k, exp, rounded p (and its float32 copy)
+    if call.alibi_slopes is not None or call.blocksparse is not None or call.scale <= 0:
+        per_head += 8 + 1                                    # scaled logits, ALiBi term, block-sparse mask
+    return call.num_kv_heads * call.head_size * per_dim + call.num_heads * per_head + 16
+
+
+def _partition_overhead(call):
+    """Per-partition bytes of a tile besides its tokens: the query copy and float32 partition outputs."""
+    return call.num_heads * call.head_size * (call.query.element_size() + 4 + 4) + 64
 
 
 def _plan(call, mixed):
-    """(columns per partition, chunk of sequences, partitions per tile) for this call."""
+    """(columns per partition, chunk of sequences, partitions per tile, bytes one tile may use)."""
     partitions = call.max_num_partitions
     block_size = call.block_size
     if partitions > 1:
         columns = PARTITION_SIZE // block_size
     else:  # a single partition only needs max_seq_len tokens
         columns = (call.max_seq_len + block_size - 1) // block_size
-    tokens = columns * block_size
-    per_partition = tokens * _bytes_per_token(call, mixed)
+    per_partition = columns * block_size * _bytes_per_token(call, mixed) + _partition_overhead(call)
     per_sequence = per_partition * partitions
     if per_sequence <= MAX_TILE_BYTES:
-        return columns, max(1, MAX_TILE_BYTES // per_sequence), partitions
-    return columns, 1, max(1, MAX_TILE_BYTES // per_partition)
+        chunk = min(max(call.num_seqs, 1), MAX_TILE_BYTES // per_sequence)
+        return columns, chunk, partitions, chunk * per_sequence
+    tile_parts = max(1, MAX_TILE_BYTES // per_partition)
+    return columns, 1, tile_parts, tile_parts * per_partition
+
+
+def peak_extra_bytes(call):
+    """Upper bound of the memory ``forward(call)`` allocates besides its arguments (a tile, a chunk's
+    partition results, per-call index tensors)."""
+    mixed = _bmm_float32_out(call.query.device, call.query.dtype)
+    _, chunk, _, tile_bytes = _plan(call, mixed)
+    heads, partitions, head_size = call.num_heads, max(call.max_num_partitions, 1), call.head_size
+    chunk_bytes = chunk * heads * (partitions * (head_size * (4 + call.query.element_size()) + 16) + head_size * 8)
+    call_bytes = call.num_seqs * (call.block_tables.shape[1] * 20 + 64) + 4096
+    return tile_bytes + chunk_bytes + call_bytes
 
 
 def _bad_sequences(call, lens):
@@ -128,15 +146,28 @@ def _bad_sequences(call, lens):
     return bad
 
 
-def _cache_views(call):
-    """K as [kv_heads, blocks, block_size, head_size / x, x] and V as [kv_heads, blocks, block_size, head_size].
+def _caches(call):
+    """The caches as stored; fp8 ones as their uint8 bit patterns (also when they come as torch float8)."""
+    if call.kv_cache_dtype == "auto":
+        return call.key_cache, call.value_cache
+    return call.key_cache.view(torch.uint8), call.value_cache.view(torch.uint8)
 
-    fp8 caches are read as their uint8 bit patterns (also when they come as torch float8 tensors).
+
+# Cache block [kv_heads, D/x, block, x] / [kv_heads, D, block] -> [kv_heads, block, D/x, x] / [kv_heads, block, D].
+_KEY_ORDER, _VALUE_ORDER = (1, 0, 3, 2, 4), (1, 0, 3, 2)
+
+
+def _gather(cache, order, blocks, mixed, dtype):
+    """``cache[blocks]`` in the matmul layout ``[kv_heads, len(blocks), block_size, ...]``, contiguous.
+
+    With ``mixed`` (CUDA) one index_select reads the permuted cache directly. Elsewhere the blocks
+    are picked as stored and permuted by the copy that also converts them to ``dtype`` (CPU
+    index_select would first copy a permuted cache whole).
     """
-    key_cache, value_cache = call.key_cache, call.value_cache
-    if call.kv_cache_dtype != "auto":
-        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-    return key_cache.permute(1, 0, 3, 2, 4), value_cache.permute(1, 0, 3, 2)
+    if mixed:
+        return torch.index_select(cache.permute(order), 1, blocks).to(dtype)
+    picked = torch.index_select(cache, 0, blocks).permute(order)
+    return torch.empty(picked.shape, dtype=dtype, device=picked.device).copy_(picked)
 
 
 def _head_offsets(call, device):
@@ -151,7 +182,7 @@ def _head_offsets(call, device):
     return offsets.view(call.num_kv_heads, 1, 1, call.queries_per_kv, 1)
 
 
-def _tile(call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables):
+def _tile(call, caches, tables, lens, seqs, parts, columns, mixed, scaled_tables):
     """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``.
 
     Returns tensors shaped [chunk, num_heads, tile_partitions] (x head_size for the output).
@@ -161,7 +192,7 @@ def _tile(call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables)
     block_size, num_blocks = call.block_size, call.num_blocks
     num_seqs, num_parts = seqs.stop - seqs.start, parts.stop - parts.start
     width = columns * block_size  # tokens per partition in this call
-    key_view, value_view = views
+    key_cache, value_cache = caches
 
     # Block ids of the tile; unused and out-of-range entries read block 0 (masked or discarded later).
     cols = torch.arange(parts.start * columns, parts.stop * columns, device=device)
@@ -175,11 +206,14 @@ def _tile(call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables)
         blocks = torch.zeros(num_seqs * cols.numel(), dtype=torch.long, device=device)
 
     shape = (kv_heads, num_seqs, num_parts, width, head_size)
-    keys = torch.index_select(key_view, 1, blocks).view(shape)
-    values = torch.index_select(value_view, 1, blocks).view(shape)
-    if scaled_tables is not None:  # fp8: one lookup decodes and applies vLLM's scale and rounding
-        keys = fp8.lookup(scaled_tables[0], keys)
-        values = fp8.lookup(scaled_tables[1], values)
+    if scaled_tables is None:  # float32 where the matmuls cannot take half inputs with float32 output
+        dtype = call.query.dtype if mixed else torch.float32
+        keys = _gather(key_cache, _KEY_ORDER, blocks, mixed, dtype).view(shape)
+        values = _gather(value_cache, _VALUE_ORDER, blocks, mixed, dtype).view(shape)
+    else:  # fp8: one lookup decodes and applies vLLM's scale and rounding
+        keys = fp8.lookup(scaled_tables[0], _gather(key_cache, _KEY_ORDER, blocks, mixed, torch.uint8)).view(shape)
+        values = fp8.lookup(scaled_tables[1], _gather(value_cache, _VALUE_ORDER, blocks, mixed, torch.uint8))
+        values = values.view(shape)
 
     # Only each sequence's last partition mixes used and unused slots (partitions wholly past the end
     # are discarded by the caller), so masking that one partition per sequence is enough.
@@ -258,8 +292,8 @@ def forward(call):
         table_dtype = compute_dtype if mixed else torch.float32
         scaled_tables = tuple(fp8.scaled_table(call.kv_cache_dtype, scale, compute_dtype, device).to(table_dtype)
                               for scale in (call.k_scale, call.v_scale))
-    columns, chunk, tile_parts = _plan(call, mixed)
-    views = _cache_views(call)
+    columns, chunk, tile_parts, _ = _plan(call, mixed)
+    caches = _caches(call)
     tables = call.block_tables.long()
     part_ids = torch.arange(partitions, device=device)
 
@@ -272,28 +306,31 @@ def forward(call):
         for first in range(0, partitions, tile_parts):
             parts = slice(first, min(first + tile_parts, partitions))
             tops[:, :, parts], totals[:, :, parts], outs[:, :, parts] = _tile(
-                call, views, tables, lens, seqs, parts, columns, mixed, scaled_tables)
+                call, caches, tables, lens, seqs, parts, columns, mixed, scaled_tables)
 
         written = (part_ids[None, :] < parts_used[seqs, None])[:, None, :]         # [seqs, 1, parts]
         seq_bad = bad[seqs].view(count, 1, 1)
-        tops = torch.where(seq_bad, math.nan, tops)
-        totals = torch.where(seq_bad, math.nan, totals)
-        outs = torch.where(seq_bad[..., None], math.nan, outs)
+        tops.masked_fill_(seq_bad, math.nan)
+        totals.masked_fill_(seq_bad, math.nan)
+        outs.masked_fill_(seq_bad[..., None], math.nan)
         if call.is_v2:
             for buffer, values in ((call.max_logits, tops), (call.exp_sums, totals)):
                 region = buffer[seqs, :, :partitions]
                 region.copy_(torch.where(written, values, region))
             region = call.tmp_out[seqs, :, :partitions]
             rounded = outs.to(call.tmp_out.dtype)
-            region.copy_(torch.where(written[..., None], rounded, region))
-            outs = rounded.float()  # vLLM's reduce reads tmp_out in the query dtype
+            region.copy_(torch.where(written[..., None], rounded, region, out=rounded))
+            outs.copy_(rounded)  # vLLM's reduce reads tmp_out in the query dtype
+            del rounded
 
         # vLLM's reduce: w_p = exp_sum_p * exp(max_p - max), out = sum_p out_p * w_p / (sum_p w_p + 1e-6).
         best = torch.where(written, tops, -math.inf).amax(dim=-1, keepdim=True)
         rescaled = torch.where(written, totals * torch.exp(tops - best), 0.0)
         inverse = 1.0 / (rescaled.sum(dim=-1, keepdim=True) + 1e-6)
-        reduced = (torch.where(written[..., None], outs, 0.0) * (rescaled * inverse)[..., None]).sum(dim=2)
+        first_partition = outs[:, :, 0].clone()
+        outs.masked_fill_(~written[..., None], 0.0)  # unwritten partitions may hold NaN
+        reduced = outs.mul_((rescaled * inverse)[..., None]).sum(dim=2)
         single = (parts_used[seqs] == 1).view(count, 1, 1)
-        reduced = torch.where(single, outs[:, :, 0], reduced)
+        reduced = torch.where(single, first_partition, reduced)
         reduced = torch.where(seq_bad, math.nan, reduced)
         call.out[seqs].copy_(reduced)

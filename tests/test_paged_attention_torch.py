@@ -263,11 +263,13 @@ def test_no_sequences(device):
 @pytest.mark.parametrize("kv_cache_dtype,mixed", [("auto", True), ("auto", False), ("fp8_e4m3", False)])
 def test_planned_tiles_respect_the_byte_budget(kv_cache_dtype, mixed):
     def plan(max_seq_len):
-        call = contract.DecodeCall(query=torch.empty(1, 32, 128, dtype=torch.float16), kv_cache_dtype=kv_cache_dtype,
+        call = contract.DecodeCall(query=torch.empty(64, 32, 128, dtype=torch.float16), kv_cache_dtype=kv_cache_dtype,
                                    num_kv_heads=8, num_heads=32, head_size=128, block_size=16, max_seq_len=max_seq_len,
-                                   max_num_partitions=-(-max_seq_len // 512))
-        columns, chunk, parts = paged_attention_torch._plan(call, mixed)
-        tile_bytes = chunk * parts * columns * 16 * paged_attention_torch._bytes_per_token(call, mixed)
+                                   max_num_partitions=-(-max_seq_len // 512), num_seqs=64, alibi_slopes=None,
+                                   blocksparse=None, scale=0.125)
+        columns, chunk, parts, tile_bytes = paged_attention_torch._plan(call, mixed)
+        tokens = chunk * parts * columns * 16
+        assert tokens * paged_attention_torch._bytes_per_token(call, mixed) < tile_bytes
         return columns, chunk, parts, tile_bytes
 
     columns, chunk, parts, tile_bytes = plan(8192)
@@ -313,3 +315,62 @@ def test_mixed_precision_matmul_path(dtype, kv_cache_dtype, monkeypatch):
         outputs = golden.run_op(BACKEND, inputs, version, "cpu")
         golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
     assert seen == {dtype}
+
+
+_PEAK_SCRIPT = r"""
+import resource, sys, torch
+from kernels import contract, paged_attention_torch
+from kernels.backend import get_backend
+torch.set_num_threads(1)
+paged_attention_torch.MAX_TILE_BYTES = 2 << 20
+seqs, heads, kv_heads, head_size, block, length = 4, 8, 2, 128, 16, 4096
+blocks = seqs * length // block
+key_cache = torch.empty(blocks, kv_heads, head_size // 8, block, 8, dtype=torch.float16).uniform_(-1, 1)
+value_cache = torch.empty(blocks, kv_heads, head_size, block, dtype=torch.float16).uniform_(-1, 1)
+tables = torch.randperm(blocks).to(torch.int32).view(seqs, -1)
+query = torch.rand(seqs, heads, head_size, dtype=torch.float16)
+out = torch.empty_like(query)
+lens = torch.full((seqs,), length, dtype=torch.int32)
+args = (query, key_cache, value_cache, kv_heads, 0.088, tables, lens, block, length, None, "auto", 1.0, 1.0)
+backend = get_backend("torch")
+# Warm up on one 1024-token sequence: the same tiles (one partition each), a sixteenth of the K+V.
+backend.paged_attention_v1(out[:1], query[:1], key_cache, value_cache, kv_heads, 0.088, tables[:1],
+                           torch.full((1,), 1024, dtype=torch.int32), block, 1024, None, "auto", 1.0, 1.0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+backend.paged_attention_v1(out, *args)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+bound = paged_attention_torch.peak_extra_bytes(contract.check_call(out, *args))
+print(after - before, bound, key_cache.nbytes + value_cache.nbytes)
+"""
+
+
+def test_peak_extra_memory_does_not_grow_with_the_input():
+    """On the CPU, as growth of the process's peak RSS: a call over 16 MiB of K+V with a 2 MiB tile
+    budget needs no more memory than a warm-up call over 1 MiB (without tiles, gathering K and V
+    alone would take 16 MiB). The GPU test below checks ``peak_extra_bytes`` exactly."""
+    import subprocess
+    import sys
+    from tests.conftest import REPO_ROOT
+    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    growth, bound, cache_bytes = (int(v) for v in result.stdout.split())
+    assert bound < cache_bytes / 8
+    assert growth <= 1 << 20, (growth, bound)  # allocator slack only
+
+
+@pytest.mark.gpu
+def test_peak_extra_memory_is_bounded_on_gpu(monkeypatch):
+    monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES", 64 << 20)
+    inputs = golden.to_device(golden.random_case(torch.float16, 128, 16, 32, 8, [8192] * 16, seed=3), "cuda")
+    buffers = golden.nan_buffers(inputs, "v2", "cuda")
+    call = contract.check_call(buffers["out"], *golden.op_arguments(inputs), exp_sums=buffers["exp_sums"],
+                               max_logits=buffers["max_logits"], tmp_out=buffers["tmp_out"])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    paged_attention_torch.forward(call)
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_allocated() - baseline
+    assert growth <= paged_attention_torch.peak_extra_bytes(call), growth
+    golden.check_against_reference(buffers, golden.reference_for(inputs), golden.random_tolerance(inputs))
