@@ -12,7 +12,6 @@ is called, since the import hook imports this package in every interpreter)::
 See ``patches/apply.py`` for the details.
 """
 
-import importlib
 import sys
 
 __all__ = ["apply", "revert", "state", "on_custom_ops_loaded"]
@@ -21,6 +20,8 @@ __all__ = ["apply", "revert", "state", "on_custom_ops_loaded"]
 def _implementation():
     module = sys.modules.get(__name__ + ".apply")
     if module is None:
+        import importlib  # not at module level: it pulls in warnings, ~1 ms of every interpreter start
+
         module = importlib.import_module(__name__ + ".apply")
         # Importing the submodule bound the name "apply" on this package to it: put the function back.
         globals()["apply"] = _public_apply
