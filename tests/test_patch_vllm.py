@@ -95,3 +95,22 @@ def test_apply_before_import_takes_effect_at_import(vllm_run):
     assert report["state_before_import"] == "pending"
     assert report["patched_at_import"] is True and report["state_at_import"] == "patched"
     assert stderr.count("biv100-patch: patched vLLM 0.6.3 (0.5.3-0.6.6 family, hint_on_error wrappers)") <= 1
+
+
+@pytest.mark.parametrize("switch, exit_code", [("1", 0), ("0", 1)])
+def test_verify_command_on_vllm_063(switch, exit_code, tmp_path):
+    python = fake_vllm.envs_root() / "vllm-0.6.3" / "bin" / "python"
+    if not python.exists():
+        fake_vllm.missing(f"no vLLM 0.6.3 venv at {python.parent.parent}")
+    env = dict(os.environ, BIV100_PATCH=switch, BIV100_PATCH_HOME=str(tmp_path))
+    env.pop("BIV100_PATCH_BACKEND", None)
+    result = subprocess.run([str(python), "-c", "from biv100_patch.cli import main; main()", "verify",
+                             "--backend", "torch"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == exit_code, result.stdout + result.stderr
+    if exit_code == 0:
+        assert "vLLM 0.6.3 (0.5.3-0.6.6 family), torch backend, cpu, float32" in result.stdout
+        assert "PASS v1: vLLM called paged_attention_v1 (expected paged_attention_v1)" in result.stdout
+        assert "PASS v2: vLLM called paged_attention_v2 (expected paged_attention_v2)" in result.stdout
+        assert result.stdout.rstrip().endswith("verify: PASS")
+    else:
+        assert "FAIL: the patch is not applied (skipped): BIV100_PATCH=0" in result.stdout
