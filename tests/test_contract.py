@@ -108,15 +108,18 @@ def _call(version, inputs, buffers):
     golden.call_op(BACKEND, version, buffers, inputs, **tail)
 
 
-@pytest.mark.parametrize("version", golden.VERSIONS)
-@pytest.mark.parametrize("case_id,argument,change", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
-def test_bad_input_is_rejected_before_writing(case_id, argument, change, version):
+V2_ONLY = ("exp_sums", "max_logits", "tmp_out")
+BAD_CALLS = [pytest.param(version, argument, change, id=f"{version}-{case_id}")
+             for case_id, argument, change in BAD_INPUTS for version in golden.VERSIONS
+             if version == "v2" or argument not in V2_ONLY]
+
+
+@pytest.mark.parametrize("version,argument,change", BAD_CALLS)
+def test_bad_input_is_rejected_before_writing(version, argument, change):
     inputs = _valid_inputs()
     originals = _buffers(inputs)
     buffers = dict(originals)
     change(inputs, buffers)
-    if version == "v1" and argument in ("exp_sums", "max_logits", "tmp_out"):
-        pytest.skip("v1 has no partition buffers")
     with pytest.raises(ValueError) as error:
         _call(version, inputs, buffers)
     assert str(error.value).startswith(f"{argument}: "), str(error.value)
