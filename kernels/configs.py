@@ -61,8 +61,8 @@ def candidate_configs(limits, head_size, block_size, query_dtype, kv_cache_dtype
     # More than 16 query rows per program only where shared memory is plentiful (not on 48 KB parts).
     most_rows = MAX_HEADS_BLOCK if limits.shared_memory_per_block >= BIG_SHARED_MEMORY else MIN_DOT_ROWS
     num_warps = max(1, THREADS_PER_PROGRAM // limits.warp_size)
-    # Pre-Ampere has no asynchronous copies to pipeline with: one stage.
-    stages = (3, 2) if tuple(limits.capability) >= (8, 0) else (1,)
+    # The kernel pipelines by hand (next step's loads in flight): Triton's own stages add nothing.
+    stages = (1,)
     # One whole cache block per step; a 16-token tile where a 32-token block does not fit (or blocks of 8).
     block_ns = [block_size] if block_size >= MIN_DOT_ROWS else []
     block_ns += [MIN_DOT_ROWS] if block_size != MIN_DOT_ROWS else []

@@ -109,7 +109,7 @@ def _decode_fp8(bits, FORMAT: tl.constexpr):
 @triton.jit
 def _load_step(key_head, value_head, table_row, stride_bt1, block_id, first, end, num_blocks, key_dims, dims, dim_ok,
                offs_n, stride_k0, stride_k3, stride_v0, stride_v2, stride_v3,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr):
     """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] (zero past
     ``end``) and the number of out-of-range block ids met. ``block_id`` is the step's id when the step is one
     whole cache block (a scalar id keeps V's rows contiguous: vector loads); otherwise ids are gathered per token."""
@@ -130,8 +130,13 @@ def _load_step(key_head, value_head, table_row, stride_bt1, block_id, first, end
         load_ok = token_ok & (ids_bad == 0)
         slots = tokens % BLOCK_SIZE
         key_ptrs = key_head + safe_ids[None, :] * stride_k0 + key_dims[:, None] + slots[None, :] * stride_k3
-        value_ptrs = value_head + safe_ids[:, None] * stride_v0 + slots[:, None] * stride_v3 \
-            + dims[None, :] * stride_v2
+        value_rows = safe_ids * stride_v0 + slots * stride_v3
+        if CONTIGUOUS_SLOTS:  # tell the compiler V's rows come in aligned runs (one block, or the step): vector loads
+            if BLOCK_N >= BLOCK_SIZE:
+                value_rows = tl.max_contiguous(tl.multiple_of(value_rows, BLOCK_SIZE), BLOCK_SIZE)
+            else:
+                value_rows = tl.max_contiguous(tl.multiple_of(value_rows, BLOCK_N), BLOCK_N)
+        value_ptrs = value_head + value_rows[:, None] + dims[None, :] * stride_v2
     k = tl.load(key_ptrs, mask=dim_ok[:, None] & load_ok[None, :], other=0)
     v = tl.load(value_ptrs, mask=load_ok[:, None] & dim_ok[None, :], other=0)
     return k, v, bad
@@ -155,7 +160,7 @@ def _attention_kernel(
     sparse_block_size, sparse_sliding_step,
     HEADS_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     X: tl.constexpr, KV_FORMAT: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr,
+    IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr,
 ):
     """Grid (num_kv_heads * head_chunks, num_seqs, num_splits); split s covers tokens
     [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence. Head sizes are runtime values
@@ -217,14 +222,15 @@ def _attention_kernel(
         next_id = tl.load(table_row + (start // BLOCK_SIZE) * stride_bt1, mask=start < end, other=0)
     k, v, bad_blocks = _load_step(key_head, value_head, table_row, stride_bt1, next_id, start, end, num_blocks,
                                   key_dims, dims, dim_ok, offs_n, stride_k0, stride_k3, stride_v0, stride_v2,
-                                  stride_v3, BLOCK_SIZE, BLOCK_N)
+                                  stride_v3, BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
     if BLOCK_N == BLOCK_SIZE:
         next_id = tl.load(table_row + ((start + BLOCK_N) // BLOCK_SIZE) * stride_bt1, mask=start + BLOCK_N < end,
                           other=0)
     for first in range(start, end, BLOCK_N):
         k_next, v_next, bad_next = _load_step(key_head, value_head, table_row, stride_bt1, next_id, first + BLOCK_N,
                                               end, num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0, stride_k3,
-                                              stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N)
+                                              stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N,
+                                              CONTIGUOUS_SLOTS)
         if BLOCK_N == BLOCK_SIZE:
             ahead = first + 2 * BLOCK_N
             next_id = tl.load(table_row + (ahead // BLOCK_SIZE) * stride_bt1, mask=ahead < end, other=0)
@@ -514,7 +520,9 @@ def _launch(call, plan):
             seq_lens, alibi, k_scale, v_scale, call.scale * LOG2E, call.head_size, call.queries_per_kv,
             plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len, tokens_per_split, num_splits,
             tp_rank, call.num_heads, call.num_kv_heads, *sparse_args)
-    constants = dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial)
+    # vLLM's layout (block slots innermost in V, and blocks a multiple of block_size apart) allows vector hints.
+    contiguous = strides[6][3] == 1 and strides[6][0] % call.block_size == 0
+    constants = dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial, CONTIGUOUS_SLOTS=contiguous)
     grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
     _attention((plan.token, strides, aligned, scales_in_memory, partial), grid, device, args, constants)
     if partial:
@@ -524,5 +532,5 @@ def _launch(call, plan):
                 num_splits)
         constants = dict(HEAD_PAD=plan.constants["HEAD_PAD"], SPLITS_BLOCK=splits_block,
                          num_warps=configs.REDUCE_NUM_WARPS, num_stages=1)
-        _reduce((plan.token, strides[:4], aligned[:4] + aligned[8:9], splits_block), (call.num_seqs, call.num_heads), device, args,
+        _reduce((plan.token, strides[:4], aligned[:4] + aligned[8:9], splits_block), (call.num_seqs, call.num_heads, 1), device, args,
                 constants)

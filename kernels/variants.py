@@ -142,7 +142,7 @@ def _attention_source(kernels, variant):
     constants = dict(HEADS_BLOCK=config.heads_block, HEAD_PAD=configs._next_power_of_2(variant.head_size),
                      BLOCK_SIZE=variant.block_size, BLOCK_N=config.block_n, X=x,
                      KV_FORMAT=kernels.FP8_FORMATS[variant.kv_cache_dtype], SCALES_IN_MEMORY=True,
-                     HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True)
+                     HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, CONTIGUOUS_SLOTS=True)
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
