@@ -1,6 +1,6 @@
 """Run inside a venv that holds real vLLM (see .ci/make_vllm_env.sh): patch it, decode, compare, revert.
 
-    python tests/vllm_patch_check.py BACKEND[,BACKEND...] [--apply-before-import] [--dtype float32]
+    python tests/vllm_patch_check.py BACKEND[,BACKEND...] [--apply-before-import] [--verify] [--dtype float32]
 
 Prints one JSON object (the last line of stdout: vLLM logs to stdout too), per backend: for each of vLLM's own ``PagedAttention.forward_decode`` paths (v1, v2)
 and a direct ``torch.ops._C.paged_attention_v2`` call, which of our ops ran and the max abs
@@ -57,6 +57,7 @@ def main():
     parser.add_argument("backends")
     parser.add_argument("--apply-before-import", action="store_true")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--verify", action="store_true", help="also run biv100-patch verify's check")
     args = parser.parse_args()
 
     import biv100_patch.patches as patches
@@ -74,6 +75,11 @@ def main():
         patches.revert()
     for backend in backends:
         reports[backend] = check(patches, ops, backend, args.dtype)
+    if args.verify:
+        from biv100_patch.patches.verify import verify
+        lines = []
+        reports["verify"] = {"ok": verify(backend=backends[0], echo=lines.append)["ok"], "lines": lines}
+        patches.revert()
     print(json.dumps(reports, default=str))
 
 
