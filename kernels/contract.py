@@ -129,17 +129,19 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
         if cache.dtype not in allowed_cache:
             _fail(name, f"dtype must be {' or '.join(map(str, allowed_cache))} for kv_cache_dtype={kv_cache_dtype!r}",
                   str(cache.dtype))
+    if key_cache.dtype != value_cache.dtype:
+        _fail("value_cache", f"dtype must match key_cache ({key_cache.dtype})", str(value_cache.dtype))
     x = 16 // key_cache.element_size()
     if head_size % x:
         _fail("kv_cache_dtype", f"{kv_cache_dtype!r} packs {x} dims per 16 bytes: head size must be a multiple of {x}",
               f"head size {head_size}")
     num_blocks = key_cache.shape[0]
     expected_key = (num_blocks, num_kv_heads, head_size // x, block_size, x)
-    if tuple(key_cache.shape) != expected_key:
+    if key_cache.shape != expected_key:
         _fail("key_cache", f"shape must be [num_blocks, num_kv_heads, head_size/x, block_size, x] = {expected_key}",
               tuple(key_cache.shape))
     expected_value = (num_blocks, num_kv_heads, head_size, block_size)
-    if tuple(value_cache.shape) != expected_value:
+    if value_cache.shape != expected_value:
         _fail("value_cache", f"shape must be [num_blocks, num_kv_heads, head_size, block_size] = {expected_value}",
               tuple(value_cache.shape))
 
@@ -166,12 +168,12 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
         expected = (num_seqs, num_heads)
         for name, buffer in (("exp_sums", exp_sums), ("max_logits", max_logits)):
             buffer = _tensor(name, buffer, 3)
-            if buffer.dtype != torch.float32 or tuple(buffer.shape[:2]) != expected \
+            if buffer.dtype != torch.float32 or buffer.shape[:2] != expected \
                     or buffer.shape[2] < max_num_partitions:
                 _fail(name, f"must be float32 of shape [{num_seqs}, {num_heads}, >= {max_num_partitions}]",
                       f"{buffer.dtype} {tuple(buffer.shape)}")
         tmp_out = _tensor("tmp_out", tmp_out, 4)
-        if tmp_out.dtype != query.dtype or tuple(tmp_out.shape[:2]) != expected \
+        if tmp_out.dtype != query.dtype or tmp_out.shape[:2] != expected \
                 or tmp_out.shape[2] < max_num_partitions or tmp_out.shape[3] != head_size:
             _fail("tmp_out", f"must be {query.dtype} of shape [{num_seqs}, {num_heads}, >= {max_num_partitions}, "
                   f"{head_size}]", f"{tmp_out.dtype} {tuple(tmp_out.shape)}")
@@ -201,13 +203,16 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
         blocksparse = BlockSparse(blocksparse_local_blocks, blocksparse_vert_stride, blocksparse_block_size,
                                   blocksparse_head_sliding_step, tp_rank)
 
-    return DecodeCall(out=out, query=query, key_cache=key_cache, value_cache=value_cache,
-                      num_kv_heads=num_kv_heads, scale=float(scale), block_tables=block_tables, seq_lens=seq_lens,
-                      block_size=block_size, max_seq_len=max_seq_len, alibi_slopes=alibi_slopes,
-                      kv_cache_dtype=cache_format, k_scale=k_scale, v_scale=v_scale, blocksparse=blocksparse,
-                      exp_sums=exp_sums, max_logits=max_logits, tmp_out=tmp_out, num_seqs=num_seqs,
-                      num_heads=num_heads, head_size=head_size, num_blocks=num_blocks, x=x,
-                      max_num_partitions=max_num_partitions)
+    # Plain attribute stores: DecodeCall(**fields) would cost several microseconds of launch overhead.
+    call = object.__new__(DecodeCall)
+    call.out, call.query, call.key_cache, call.value_cache = out, query, key_cache, value_cache
+    call.num_kv_heads, call.scale, call.block_tables, call.seq_lens = num_kv_heads, float(scale), block_tables, seq_lens
+    call.block_size, call.max_seq_len, call.alibi_slopes = block_size, max_seq_len, alibi_slopes
+    call.kv_cache_dtype, call.k_scale, call.v_scale, call.blocksparse = cache_format, k_scale, v_scale, blocksparse
+    call.exp_sums, call.max_logits, call.tmp_out = exp_sums, max_logits, tmp_out
+    call.num_seqs, call.num_heads, call.head_size, call.num_blocks = num_seqs, num_heads, head_size, num_blocks
+    call.x, call.max_num_partitions = x, max_num_partitions
+    return call
 
 
 def check_table_entries(call):
