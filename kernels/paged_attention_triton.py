@@ -483,6 +483,12 @@ def _plan(call, limits):
 
 
 def _aligned(*tensors):
+    """Triton specialises pointers on 16-byte alignment: the launch key must too (one OR in the common case)."""
+    bits = 0
+    for tensor in tensors:
+        bits |= tensor.data_ptr()
+    if bits & 15 == 0:
+        return True
     return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
@@ -532,5 +538,5 @@ def _launch(call, plan):
                 num_splits)
         constants = dict(HEAD_PAD=plan.constants["HEAD_PAD"], SPLITS_BLOCK=splits_block,
                          num_warps=configs.REDUCE_NUM_WARPS, num_stages=1)
-        _reduce((plan.token, strides[:4], aligned[:4] + aligned[8:9], splits_block), (call.num_seqs, call.num_heads, 1), device, args,
+        _reduce((plan.token, strides[:4], _aligned(*tensors[:4], seq_lens), splits_block), (call.num_seqs, call.num_heads, 1), device, args,
                 constants)
