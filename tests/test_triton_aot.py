@@ -3,11 +3,13 @@
 One session-wide compile (parallel processes, Triton's cache) feeds every test here.
 """
 
+import os
 import time
 
 import pytest
 
-from kernels import contract, variants
+from kernels import configs, contract, variants
+from tests.conftest import REPO_ROOT
 
 CAPABILITY = (7, 0)
 SHARED_MEMORY_LIMIT = 48 * 1024
@@ -15,12 +17,22 @@ SHARED_MEMORY_LIMIT = 48 * 1024
 
 @pytest.fixture(scope="session")
 def compiled():
+    # CI keeps .ci/envs between runs: Triton's cache there makes a rerun take seconds (a first run: minutes).
+    cache = REPO_ROOT / ".ci" / "envs" / "triton-cache"
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    if previous is None and cache.parent.is_dir():
+        os.environ["TRITON_CACHE_DIR"] = str(cache)
     started = time.perf_counter()
-    results = variants.compile_variants(CAPABILITY, SHARED_MEMORY_LIMIT)
+    try:
+        results = variants.compile_variants(CAPABILITY, SHARED_MEMORY_LIMIT)
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
     seconds = time.perf_counter() - started
-    print(f"\nAOT capability {CAPABILITY}: {len(results)} variants "
-          f"({len({(r['kernel'], r['dtype'], r['block_size'], r['kv_cache_dtype'], str(r['config'])) for r in results})}"
-          f" distinct) in {seconds:.1f} s, max shared {max(r['shared_bytes'] or 0 for r in results)} bytes")
+    distinct = {(r["kernel"], configs._next_power_of_2(r["head_size"]), r["block_size"], r["dtype"],
+                 r["kv_cache_dtype"], str(r["config"])) for r in results}
+    print(f"\nAOT capability {CAPABILITY}: {len(results)} variants ({len(distinct)} compiled) in {seconds:.1f} s, "
+          f"max shared {max(r['shared_bytes'] or 0 for r in results)} bytes")
     return results
 
 
@@ -28,7 +40,8 @@ def test_every_variant_compiles_within_48kb(compiled):
     failed = [r for r in compiled if not r["ok"]]
     assert not failed, "\n".join(f"{r['kernel']} d{r['head_size']} b{r['block_size']} {r['dtype']} "
                                  f"{r['kv_cache_dtype']} {r['config']}: {r['error']}" for r in failed[:20])
-    assert all(0 < r["shared_bytes"] <= SHARED_MEMORY_LIMIT for r in compiled)
+    assert all(0 <= r["shared_bytes"] <= SHARED_MEMORY_LIMIT for r in compiled)
+    assert all(r["shared_bytes"] > 0 for r in compiled if r["kernel"] == "attention")  # real numbers came back
 
 
 def test_variants_cover_the_whole_contract(compiled):
@@ -43,8 +56,6 @@ def test_variants_cover_the_whole_contract(compiled):
 def test_estimate_bounds_the_compiled_shared_memory(compiled):
     """The config choice trusts configs.estimate_shared_bytes: it must not undercount the compiler."""
     import torch
-
-    from kernels import configs
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     for r in compiled:
