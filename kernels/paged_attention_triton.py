@@ -360,12 +360,13 @@ class _Launcher:
         self.fn = fn
         self.kernels = {}
 
-    def __call__(self, key, grid, device, args, constants):
+    def __call__(self, key, grid, device, args, make_constants):
         kernel = self.kernels.get(key)
         if kernel is not None:
             kernel.run(grid[0], grid[1], grid[2], _current_stream(device.index), kernel.function,
                        kernel.packed_metadata, None, None, None, *args, *kernel.constexpr_tail)
             return
+        constants = make_constants()
         kernel = self.fn[grid](*args, **constants)
         if _DIRECT_LAUNCH and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
             kernel.constexpr_tail = tuple(constants[name] for name in self.fn.arg_names[len(args):])
@@ -496,47 +497,62 @@ def _launch(call, plan):
     query, out, key_cache, value_cache = call.query, call.out, call.key_cache, call.value_cache
     device = query.device
     num_splits, tokens_per_split = plan.splits_for(call)
-    partial = call.exp_sums is not None or num_splits > 1
+    out_strides = out.stride()
     if call.exp_sums is not None:
+        partial = True
         tmp, exp_sums, max_logits = call.tmp_out, call.exp_sums, call.max_logits
-    elif partial:
+        split_strides = (tmp.stride(), exp_sums.stride(), max_logits.stride())
+    elif num_splits > 1:
+        partial = True
         tmp, exp_sums, max_logits = plan.scratch_for(call, num_splits)
-    else:
-        tmp, exp_sums, max_logits = out.unsqueeze(2), out, out  # unused (PARTIAL off): any valid pointer
-    k_scale, scales_in_memory = _scale_argument(call.k_scale, device)
-    v_scale, v_in_memory = _scale_argument(call.v_scale, device)
-    if scales_in_memory != v_in_memory:  # one kind for both, to keep one specialisation
-        k_scale, v_scale = (float(k_scale.item()) if scales_in_memory else k_scale,
-                            float(v_scale.item()) if v_in_memory else v_scale)
+        split_strides = (tmp.stride(), exp_sums.stride(), max_logits.stride())
+    else:  # the split outputs are unused (PARTIAL off): out stands in, no views made
+        partial = False
+        tmp = exp_sums = max_logits = out
+        split_strides = ((out_strides[0], out_strides[1], 0, out_strides[2]), out_strides, out_strides)
+    k_scale, v_scale = call.k_scale, call.v_scale
+    if type(k_scale) is float and type(v_scale) is float:
         scales_in_memory = False
+    else:
+        k_scale, scales_in_memory = _scale_argument(k_scale, device)
+        v_scale, v_in_memory = _scale_argument(v_scale, device)
+        if scales_in_memory != v_in_memory:  # one kind for both, to keep one specialisation
+            k_scale, v_scale = (float(k_scale.item()) if scales_in_memory else k_scale,
+                                float(v_scale.item()) if v_in_memory else v_scale)
+            scales_in_memory = False
     sparse = call.blocksparse
     if sparse is not None:
-        sparse_args = (sparse.local_blocks, sparse.vert_stride, sparse.block_size, sparse.head_sliding_step)
-        tp_rank = sparse.tp_rank
+        sparse_args = (sparse.tp_rank, call.num_heads, call.num_kv_heads, sparse.local_blocks, sparse.vert_stride,
+                       sparse.block_size, sparse.head_sliding_step)
     else:
-        sparse_args, tp_rank = (0, 1, 1, 0), 0
+        sparse_args = (0, call.num_heads, call.num_kv_heads, 0, 1, 1, 0)
     alibi = call.alibi_slopes if call.alibi_slopes is not None else call.seq_lens
     block_tables, seq_lens = call.block_tables, call.seq_lens
-    strides = (out.stride(), tmp.stride(), exp_sums.stride(), max_logits.stride(), query.stride(),
-               key_cache.stride(), value_cache.stride(), block_tables.stride())
-    tensors = (out, tmp, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens, alibi)
-    aligned = _aligned(*tensors)
-    args = (out, *strides[0], tmp, *strides[1], exp_sums, *strides[2], max_logits, *strides[3],
-            query, *strides[4], key_cache, *strides[5], value_cache, *strides[6], block_tables, *strides[7],
-            seq_lens, alibi, k_scale, v_scale, call.scale * LOG2E, call.head_size, call.queries_per_kv,
-            plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len, tokens_per_split, num_splits,
-            tp_rank, call.num_heads, call.num_kv_heads, *sparse_args)
+    cache_strides = (query.stride(), key_cache.stride(), value_cache.stride(), block_tables.stride())
+    if partial:
+        aligned = _aligned(out, tmp, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens,
+                           alibi)
+    else:
+        aligned = _aligned(out, query, key_cache, value_cache, block_tables, seq_lens, alibi)
+    tmp_strides, sum_strides, max_strides = split_strides
+    args = (out, *out_strides, tmp, *tmp_strides, exp_sums, *sum_strides, max_logits, *max_strides,
+            query, *cache_strides[0], key_cache, *cache_strides[1], value_cache, *cache_strides[2],
+            block_tables, *cache_strides[3], seq_lens, alibi, k_scale, v_scale, call.scale * LOG2E, call.head_size,
+            call.queries_per_kv, plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len,
+            tokens_per_split, num_splits, *sparse_args)
+    value_strides = cache_strides[2]
     # vLLM's layout (block slots innermost in V, and blocks a multiple of block_size apart) allows vector hints.
-    contiguous = strides[6][3] == 1 and strides[6][0] % call.block_size == 0
-    constants = dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial, CONTIGUOUS_SLOTS=contiguous)
+    contiguous = value_strides[3] == 1 and value_strides[0] % call.block_size == 0
     grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
-    _attention((plan.token, strides, aligned, scales_in_memory, partial), grid, device, args, constants)
+    _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
+               device, args, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
+                                          CONTIGUOUS_SLOTS=contiguous))
     if partial:
         splits_block = configs.reduce_splits_block(num_splits, call.head_size)
-        args = (out, *strides[0], tmp, *strides[1], exp_sums, *strides[2], max_logits, *strides[3], seq_lens,
+        args = (out, *out_strides, tmp, *tmp_strides, exp_sums, *sum_strides, max_logits, *max_strides, seq_lens,
                 call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,
                 num_splits)
-        constants = dict(HEAD_PAD=plan.constants["HEAD_PAD"], SPLITS_BLOCK=splits_block,
-                         num_warps=configs.REDUCE_NUM_WARPS, num_stages=1)
-        _reduce((plan.token, strides[:4], _aligned(*tensors[:4], seq_lens), splits_block), (call.num_seqs, call.num_heads, 1), device, args,
-                constants)
+        _reduce((plan.token, out_strides, split_strides, _aligned(out, tmp, exp_sums, max_logits, seq_lens),
+                 splits_block), (call.num_seqs, call.num_heads, 1), device, args,
+                lambda: dict(HEAD_PAD=plan.constants["HEAD_PAD"], SPLITS_BLOCK=splits_block,
+                             num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))
