@@ -628,6 +628,8 @@ def main(argv=None):
     if device.type == "cuda":
         if not torch.cuda.is_available():
             sys.exit(f"--device {device}: CUDA is not available here (use --device cpu)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         sys.exit(f"--device: cuda, cuda:N or cpu; got {device}")

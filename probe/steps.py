@@ -4,7 +4,10 @@ Each step takes the child's context (``device``: what ``detect_device`` read, ``
 details of earlier steps) and returns its details, or raises: the exception's text is recorded.
 """
 
+import concurrent.futures
 import math
+import multiprocessing
+import os
 import statistics
 import time
 
@@ -180,35 +183,59 @@ def _kernel_variants(context):
     return chosen
 
 
+def _compare_variant(triton_backend, torch_backend, device, variant):
+    """One variant's call on both backends; the entry for the record, with ``ok`` and any error."""
+    dtype = DTYPES[variant["dtype"]]
+    entry = dict(variant)
+    case = make_paged_case(kernel=variant["kernel"], head_size=variant["head_size"],
+                           block_size=variant["block_size"], dtype=dtype,
+                           kv_cache_dtype=variant["kv_cache_dtype"], device=device,
+                           num_heads=variant.get("num_heads", 4), num_kv_heads=variant.get("num_kv_heads", 2))
+    try:
+        expected = run_backend(torch_backend, variant["kernel"], case).float()
+        got = run_backend(triton_backend, variant["kernel"], case).float()
+    except Exception as error:
+        entry["ok"] = False
+        entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        return entry
+    atol, rtol = TOLERANCES[dtype]
+    excess = ((got - expected).abs() - rtol * expected.abs()).max().item()
+    entry["max_abs_diff"] = (got - expected).abs().max().item()
+    entry["ok"] = bool(torch.isfinite(got).all()) and excess <= atol
+    if not entry["ok"]:
+        entry["error"] = f"differs from the PyTorch backend by {entry['max_abs_diff']:.3g} (atol {atol:g})"
+    return entry
+
+
+def _compare_variants_on(device_index, variants_to_run):
+    """Worker-process entry: compare ``variants_to_run`` on CUDA device ``device_index``."""
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    triton_backend = get_backend("triton", limits=kernel_limits.DeviceLimits.from_torch_device(device))
+    torch_backend = get_backend("torch")
+    return [_compare_variant(triton_backend, torch_backend, device, variant) for variant in variants_to_run]
+
+
+# Compiling is what step 3 spends its time on (dozens of kernels, seconds each), so on a GPU the
+# variants are shared out over worker processes that compile side by side.
+MAX_COMPILE_WORKERS = 8
+
+
 def variants_match(context):
     """Each variant against the PyTorch backend on a small paged case, within the contract tolerance."""
     device = _device(context)
-    triton_backend = get_backend("triton", limits=device_limits(context))
-    torch_backend = get_backend("torch")
-    compared, failures = [], []
-    for variant in _kernel_variants(context):
-        dtype = DTYPES[variant["dtype"]]
-        entry = dict(variant)
-        case = make_paged_case(kernel=variant["kernel"], head_size=variant["head_size"],
-                               block_size=variant["block_size"], dtype=dtype,
-                               kv_cache_dtype=variant["kv_cache_dtype"], device=device,
-                               num_heads=variant.get("num_heads", 4), num_kv_heads=variant.get("num_kv_heads", 2))
-        try:
-            expected = run_backend(torch_backend, variant["kernel"], case).float()
-            got = run_backend(triton_backend, variant["kernel"], case).float()
-        except Exception as error:
-            entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            failures.append(entry)
-            compared.append(entry)
-            continue
-        atol, rtol = TOLERANCES[dtype]
-        excess = ((got - expected).abs() - rtol * expected.abs()).max().item()
-        entry["max_abs_diff"] = (got - expected).abs().max().item()
-        entry["ok"] = bool(torch.isfinite(got).all()) and excess <= atol
-        if not entry["ok"]:
-            entry["error"] = f"differs from the PyTorch backend by {entry['max_abs_diff']:.3g} (atol {atol:g})"
-            failures.append(entry)
-        compared.append(entry)
+    to_run = _kernel_variants(context)
+    workers = min(MAX_COMPILE_WORKERS, os.cpu_count() or 1, len(to_run))
+    if device.type == "cuda" and workers > 1:
+        chunks = [to_run[start::workers] for start in range(workers)]
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = pool.map(_compare_variants_on, [device.index] * workers, chunks)
+            compared = [entry for chunk in results for entry in chunk]
+    else:
+        triton_backend = get_backend("triton", limits=device_limits(context))
+        torch_backend = get_backend("torch")
+        compared = [_compare_variant(triton_backend, torch_backend, device, variant) for variant in to_run]
+    failures = [entry for entry in compared if not entry["ok"]]
     details = {"variants": compared, "compared": len(compared), "failed": len(failures)}
     if not compared:
         raise StepFailure("the kernels list no variant for this device", details)

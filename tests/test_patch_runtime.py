@@ -57,24 +57,31 @@ def v1_call(ops, case):
 
 def v2_call(ops, case):
     out = torch.full_like(case["query"], math.nan)
-    exp_sums, max_logits, tmp_out = v2_buffers(case)
+    exp_sums, max_logits, tmp_out = (buffer.to(case["query"].device) for buffer in v2_buffers(case))
     ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, case["query"], case["key_cache"], case["value_cache"],
                            case["num_kv_heads"], case["scale"], case["block_tables"], case["seq_lens"],
                            case["block_size"], case["max_seq_len"], None, "auto", 1.0, 1.0)
     return out
 
 
+def paged_case(device, *args, **kwargs):
+    """``make_case`` on the suite's device: the Triton backend runs natively on a GPU, interpreted on the CPU."""
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value
+            for key, value in make_case(torch, *args, **kwargs).items()}
+
+
 def max_error(out, case):
-    return (out.double() - reference_attention(**case)["out"]).abs().max().item()
+    on_cpu = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in case.items()}
+    return (out.cpu().double() - reference_attention(**on_cpu)["out"]).abs().max().item()
 
 
 def warnings_of(caplog):
     return [r for r in caplog.records if r.name == "biv100_patch" and r.levelno == logging.WARNING]
 
 
-def test_failure_falls_back_once_and_shape_stays_on_torch(ops, flaky, caplog, monkeypatch):
+def test_failure_falls_back_once_and_shape_stays_on_torch(ops, flaky, caplog, monkeypatch, device):
     monkeypatch.delenv("BIV100_PATCH_STRICT", raising=False)
-    case = make_case(torch, torch.float32, [40, 530], head_size=80)
+    case = paged_case(device, torch.float32, [40, 530], head_size=80)
     assert max_error(v1_call(ops, case), case) < 1e-4
     assert flaky.calls == 1
     [warning] = warnings_of(caplog)
@@ -85,26 +92,26 @@ def test_failure_falls_back_once_and_shape_stays_on_torch(ops, flaky, caplog, mo
     assert event["shape"]["head_size"] == 80 and event["shape"]["op"] == "v1"
 
     # Later calls of that shape go straight to torch: no Triton call, no new warning, still correct.
-    other = make_case(torch, torch.float32, [3, 17, 100], head_size=80, seed=4)
+    other = paged_case(device, torch.float32, [3, 17, 100], head_size=80, seed=4)
     assert max_error(v1_call(ops, other), other) < 1e-4
     assert flaky.calls == 1 and len(warnings_of(caplog)) == 1 and len(ops.events) == 1
 
     # A shape that works keeps using Triton.
-    fine = make_case(torch, torch.float32, [40, 530], head_size=64)
+    fine = paged_case(device, torch.float32, [40, 530], head_size=64)
     assert max_error(v2_call(ops, fine), fine) < 1e-4
     assert flaky.calls == 2 and len(ops.routed) == 1
 
 
-def test_strict_mode_reraises(ops, flaky, monkeypatch):
+def test_strict_mode_reraises(ops, flaky, monkeypatch, device):
     monkeypatch.setenv("BIV100_PATCH_STRICT", "1")
-    case = make_case(torch, torch.float32, [40], head_size=80)
+    case = paged_case(device, torch.float32, [40], head_size=80)
     with pytest.raises(CompileError):
         v2_call(ops, case)
     assert ops.routed == {} and ops.events == []
 
 
-def test_bad_input_is_the_callers_error(ops, flaky, caplog):
-    case = make_case(torch, torch.float32, [40], head_size=80)
+def test_bad_input_is_the_callers_error(ops, flaky, caplog, device):
+    case = paged_case(device, torch.float32, [40], head_size=80)
     case["block_tables"] = case["block_tables"].to(torch.int64)
     out = torch.full_like(case["query"], math.nan)
     with pytest.raises(ValueError, match="block_tables: must be int32"):
@@ -114,9 +121,9 @@ def test_bad_input_is_the_callers_error(ops, flaky, caplog):
     assert torch.isnan(out).all()
 
 
-def test_concurrent_failures_warn_once(ops, flaky, caplog, monkeypatch):
+def test_concurrent_failures_warn_once(ops, flaky, caplog, monkeypatch, device):
     monkeypatch.delenv("BIV100_PATCH_STRICT", raising=False)
-    case = make_case(torch, torch.float32, [40, 70], head_size=80)
+    case = paged_case(device, torch.float32, [40, 70], head_size=80)
     errors, barrier = [], threading.Barrier(6)
 
     def worker():
@@ -132,8 +139,8 @@ def test_concurrent_failures_warn_once(ops, flaky, caplog, monkeypatch):
     assert len(warnings_of(caplog)) == 1 and len(ops.events) == 1 and len(ops.routed) == 1
 
 
-def test_torch_primary_has_no_fallback_path():
+def test_torch_primary_has_no_fallback_path(device):
     ops = PatchedOps(get_backend("torch"))
-    case = make_case(torch, torch.float32, [600, 9], head_size=64)
+    case = paged_case(device, torch.float32, [600, 9], head_size=64)
     assert max_error(v2_call(ops, case), case) < 1e-4
     assert ops.routed == {} and ops.name == "torch"
