@@ -20,6 +20,8 @@ from . import detect
 # Triton vs PyTorch backend, |triton - torch| <= atol + rtol * |torch| (the kernels' contract;
 # bfloat16 from the golden table, where vLLM itself sits near 1.2e-2 of an fp64 reference).
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (2e-2, 1.6e-2)}
+# The kernels contract's fp8 tolerance (vLLM's own fp8 tests use atol 1e-2).
+FP8_ATOL = 1e-2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TRIVIAL_SIZE = 1000
 BENCH_SHAPES = (
@@ -199,6 +201,8 @@ def _compare_variant(triton_backend, torch_backend, device, variant):
         entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
         return entry
     atol, rtol = TOLERANCES[dtype]
+    if variant["kv_cache_dtype"] != "auto":
+        atol = max(atol, FP8_ATOL)
     excess = ((got - expected).abs() - rtol * expected.abs()).max().item()
     entry["max_abs_diff"] = (got - expected).abs().max().item()
     entry["ok"] = bool(torch.isfinite(got).all()) and excess <= atol
@@ -213,7 +217,8 @@ def _compare_variants_on(device_index, variants_to_run):
     torch.cuda.set_device(device)
     triton_backend = get_backend("triton", limits=kernel_limits.DeviceLimits.from_torch_device(device))
     torch_backend = get_backend("torch")
-    return [_compare_variant(triton_backend, torch_backend, device, variant) for variant in variants_to_run]
+    entries = [_compare_variant(triton_backend, torch_backend, device, variant) for variant in variants_to_run]
+    return entries, compiled_binaries()
 
 
 # Compiling is what step 3 spends its time on (dozens of kernels, seconds each), so on a GPU the
@@ -229,14 +234,17 @@ def variants_match(context):
     if device.type == "cuda" and workers > 1:
         chunks = [to_run[start::workers] for start in range(workers)]
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = pool.map(_compare_variants_on, [device.index] * workers, chunks)
-            compared = [entry for chunk in results for entry in chunk]
+            results = list(pool.map(_compare_variants_on, [device.index] * workers, chunks))
+        compared = [entry for entries, _ in results for entry in entries]
+        compiled = [binary for _, binaries in results for binary in binaries]
     else:
         triton_backend = get_backend("triton", limits=device_limits(context))
         torch_backend = get_backend("torch")
         compared = [_compare_variant(triton_backend, torch_backend, device, variant) for variant in to_run]
+        compiled = compiled_binaries()
     failures = [entry for entry in compared if not entry["ok"]]
-    details = {"variants": compared, "compared": len(compared), "failed": len(failures)}
+    # Step 4 measures these: [kernel name, shared bytes] of every binary step 3 compiled.
+    details = {"variants": compared, "compared": len(compared), "failed": len(failures), "compiled": compiled}
     if not compared:
         raise StepFailure("the kernels list no variant for this device", details)
     if failures:
@@ -264,8 +272,8 @@ def _shared_bytes(kernel):
     return getattr(kernel, "shared", None) if shared is None else shared
 
 
-def shared_memory(context):
-    """The shared memory of every kernel binary step 3 compiled and ran, against the device's limit.
+def compiled_binaries():
+    """[kernel name, shared bytes] of every paged-attention binary Triton compiled in this process.
 
     Read from the compiled kernels themselves, whatever backend the vendor's Triton compiles for.
     """
@@ -273,13 +281,19 @@ def shared_memory(context):
 
     from biv100_patch.kernels import paged_attention_triton
 
-    limits = device_limits(context)
-    if limits is None:
-        return {"skipped": "no device: the interpreter has no shared-memory limit"}
     binaries = []
     for name, value in sorted(vars(paged_attention_triton).items()):
         if isinstance(value, JITFunction):
-            binaries += [(name, _shared_bytes(kernel)) for kernel in _compiled_kernels(value)]
+            binaries += [[name, _shared_bytes(kernel)] for kernel in _compiled_kernels(value)]
+    return binaries
+
+
+def shared_memory(context):
+    """The shared memory of every kernel binary step 3 compiled and ran, against the device's limit."""
+    limits = device_limits(context)
+    if limits is None:
+        return {"skipped": "no device: the interpreter has no shared-memory limit"}
+    binaries = context["results"].get("variants_match", {}).get("compiled", [])
     measured = [shared for _, shared in binaries if shared is not None]
     details = {"limit": limits.shared_memory_per_block, "binaries": len(binaries), "measured": len(measured),
                "largest": max(measured, default=0)}

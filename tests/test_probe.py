@@ -338,3 +338,31 @@ def test_step_3_covers_every_default_format_binary_and_fp8_samples(monkeypatch):
     assert covered == {(dtype, block) for dtype in ("float32", "float16", "bfloat16") for block in (8, 16, 32)}
     assert {e["kv_cache_dtype"] for e in chosen} == {"auto", "fp8_e4m3", "fp8_e5m2"}
     assert {e["dtype"] for e in chosen if e["kernel"] == "v1"} == {"float32", "float16", "bfloat16"}
+
+
+@pytest.mark.parametrize("largest, fits", [(49152, True), (49153, False)])
+def test_step_4_judges_the_binaries_step_3_compiled_in_its_workers(monkeypatch, largest, fits):
+    from biv100_patch.kernels import limits
+    from biv100_patch.probe import steps
+
+    bi_v100 = limits.DeviceLimits(shared_memory_per_block=49152, multiprocessor_count=16, warp_size=64,
+                                  capability=(7, 0))
+    monkeypatch.setattr(steps, "device_limits", lambda context: bi_v100)
+    context = {"device": {"index": 0},
+               "results": {"variants_match": {"compiled": [["_attention", 8192], ["_attention", largest],
+                                                           ["_reduce", 0]]}}}
+    if fits:
+        assert steps.shared_memory(context) == {"limit": 49152, "binaries": 3, "measured": 3, "largest": 49152}
+    else:
+        with pytest.raises(steps.StepFailure, match="1 of 3 compiled kernels need more than 49152 bytes"):
+            steps.shared_memory(context)
+
+
+def test_step_4_fails_when_step_3_compiled_nothing(monkeypatch):
+    from biv100_patch.kernels import limits
+    from biv100_patch.probe import steps
+
+    monkeypatch.setattr(steps, "device_limits", lambda context: limits.DeviceLimits(
+        shared_memory_per_block=49152, multiprocessor_count=16, warp_size=64, capability=(7, 0)))
+    with pytest.raises(steps.StepFailure, match="no compiled kernel was found"):
+        steps.shared_memory({"device": {"index": 0}, "results": {}})
