@@ -72,7 +72,10 @@ if [ "$version" = 0.6.3 ]; then
     # The compiled extensions cannot load without CUDA, and a present but failing _core_C breaks vllm._core_ext.
     rm -f "$site"/vllm/*.so
 fi
-pip_install --no-deps -e "$repo"
+# Editable installs write build metadata into the checkout: one at a time when CI builds envs side by side.
+mkdir -p "$repo/.ci/envs"
+flock "$repo/.ci/envs/.editable.lock" "$dest/bin/python" -m pip install -q --disable-pip-version-check --no-input \
+    --no-compile --no-deps -e "$repo" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 if ! imports; then
     echo "$0: the vLLM $version env at $dest does not import vllm._custom_ops; see $dest/.import-errors" >&2
     exit 1
