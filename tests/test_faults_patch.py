@@ -115,3 +115,40 @@ def test_8_scale_annotation_contradicting_the_version(fresh_patcher, tmp_path): 
         state = fresh_patcher.state()
         assert state["status"] == "skipped"
         assert "k_scale is annotated float, the 0.7.0-0.24.x family passes a tensor" in state["reason"]
+
+
+EIGHT_APPLIERS = """
+import json
+from biv100_patch import patches, probe
+patches.apply()
+import vllm._custom_ops as ops
+state = patches.state()
+print(json.dumps([ops.paged_attention_v1.__module__, ops.paged_attention_v2.__module__, state["status"],
+                  state["backend"], probe.load_decision()["created_unix"]]))
+"""
+
+
+def test_12_eight_processes_apply_at_once_and_all_are_patched(tmp_path):
+    """Eight interpreters call apply() together: one probe, one record, and every one of them patched."""
+    import os
+
+    site = fake_vllm.make_site(tmp_path / "site", "0.6.3+corex.3.2.3", fake_vllm.synthetic_custom_ops())
+    state = tmp_path / "state"
+    environment = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{fake_vllm.REPO_ROOT}",
+                       BIV100_PATCH_HOME=str(state))
+    for name in ("BIV100_PATCH", "BIV100_PATCH_BACKEND", "BIV100_PATCH_STRICT"):
+        environment.pop(name, None)
+    workers = [subprocess.Popen([sys.executable, "-c", EIGHT_APPLIERS], cwd=tmp_path, env=environment,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    answers = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=180)
+        assert worker.returncode == 0, err
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    assert len({json.dumps(answer) for answer in answers}) == 1
+    v1_module, v2_module, status, backend, created = answers[0]
+    assert (v1_module, v2_module, status, backend) == (
+        "biv100_patch.patches.families", "biv100_patch.patches.families", "patched", "torch")
+    [record] = state.glob("probe-*.json")
+    assert json.loads(record.read_text())["created_unix"] == created
+    assert [name for name in os.listdir(state) if name.endswith(".tmp")] == []
