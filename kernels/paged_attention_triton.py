@@ -53,9 +53,13 @@ def _fix_interpreter():
     if patch is None or builder is None or getattr(patch, "biv100_fixed", False):
         return
 
-    def patch_lang_tensor(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def patch_lang_tensor(tensor, *scope):  # Triton 3.0 passes the tensor class alone, later ones a scope too
+        patch(tensor, *scope)
+        index = lambda self: int(self.handle.data.reshape(-1)[0])  # noqa: E731
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     create_dot = builder.create_dot
 

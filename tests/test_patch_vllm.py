@@ -4,10 +4,10 @@ Each vLLM lives in its own venv made by .ci/make_vllm_env.sh under ``$BIV100_VLL
 (default .ci/envs); the check runs there in a subprocess (tests/vllm_patch_check.py) and these
 tests assert on its JSON report. With CI=true a missing venv fails the run.
 
-- 0.6.3 (BI-V100's; float scales, hint_on_error wrappers, triton 3.0.0): the torch backend, with
+- 0.6.3 (BI-V100's; float scales, hint_on_error wrappers, triton 3.0.0): both backends, with
   ``apply()`` called before vLLM is imported (the patch lands at ``import vllm._custom_ops``).
-  Triton 3.0.0's interpreter cannot run the Triton kernels here (see the report), so
-- 0.9.2 (Tensor scales; triton 3.6.0 added) runs both backends, Triton under TRITON_INTERPRET=1.
+- 0.9.2 (Tensor scales; triton 3.6.0 added): both backends.
+Triton runs under TRITON_INTERPRET=1 in both.
 """
 
 import json
@@ -18,7 +18,7 @@ import pytest
 
 from tests import fake_vllm
 
-RUNS = {"0.6.3": (["torch"], True), "0.9.2": (["torch", "triton"], False)}
+RUNS = {"0.6.3": (["torch", "triton"], True), "0.9.2": (["torch", "triton"], False)}
 FAMILIES = {"0.6.3": "0.5.3-0.6.6", "0.9.2": "0.7.0-0.24.x"}
 
 
