@@ -256,3 +256,50 @@ def non_contiguous(tensor, dims):
     view = big[tuple(slice(None, None, 2) if dim in dims else slice(None) for dim in range(tensor.dim()))]
     view.copy_(tensor)
     return view
+
+
+# Checks every backend must pass, called from each backend's test file.
+
+def check_nan_in_unused_slots_changes_nothing(backend, device, kv_cache_dtype):
+    """NaN in tail slots and unused blocks leaves every output exactly as it is without it."""
+    args = (torch.bfloat16, 64, 8, 8, 2, [3, 515, 1030])
+    clean = random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7)
+    poisoned = random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7, poison=True)
+    assert not torch.equal(clean["value_cache"], poisoned["value_cache"])
+    for version in VERSIONS:
+        expected = run_op(backend, clean, version, device)
+        actual = run_op(backend, poisoned, version, device)
+        for name, tensor in expected.items():
+            assert torch.equal(actual[name].isnan(), tensor.isnan())
+            assert torch.equal(actual[name].nan_to_num(), tensor.nan_to_num()), name
+
+
+def check_strided_tensors_give_the_same_result(backend, device):
+    """Non-contiguous query, caches, block tables and output buffers give the contiguous result bit for bit."""
+    inputs = to_device(random_case(torch.float16, 128, 16, 4, 2, [20, 700], poison=True), device)
+    expected = nan_buffers(inputs, "v2", device)
+    call_op(backend, "v2", expected, inputs)
+    strided = dict(inputs)
+    strided["query"] = non_contiguous(inputs["query"], dims=(0, 2))
+    strided["key_cache"] = non_contiguous(inputs["key_cache"], dims=(0, 1))
+    strided["value_cache"] = non_contiguous(inputs["value_cache"], dims=(1, 3))
+    strided["block_tables"] = inputs["block_tables"].t().contiguous().t()
+    buffers = {name: non_contiguous(tensor, dims=(0, 1)) for name, tensor in nan_buffers(inputs, "v2", device).items()}
+    call_op(backend, "v2", buffers, strided)
+    for name, tensor in expected.items():
+        assert not buffers[name].is_contiguous()
+        assert torch.equal(buffers[name].nan_to_num(), tensor.nan_to_num()), name
+        assert torch.equal(buffers[name].isnan(), tensor.isnan()), name
+
+
+def check_scale_as_float_or_tensor(backend, device, dtype, kv_cache_dtype):
+    """k_scale/v_scale as Python floats (vLLM <= 0.6.6) and as device tensors (>= 0.7) give the same outputs."""
+    inputs = random_case(dtype, 64, 16, 4, 1, [40, 600], kv_cache_dtype=kv_cache_dtype, k_scale=0.02, v_scale=0.03,
+                         poison=True)
+    ref = reference_for(inputs)
+    for version in VERSIONS:
+        as_float = run_op(backend, inputs, version, device)
+        as_tensor = run_op(backend, inputs, version, device, scale_as_tensor=True)
+        check_against_reference(as_float, ref, random_tolerance(inputs))
+        for name, tensor in as_float.items():
+            assert torch.equal(as_tensor[name].nan_to_num(), tensor.nan_to_num()), name

@@ -112,46 +112,15 @@ def test_all_sequences_empty(device):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_nan_in_unused_slots_changes_nothing(kv_cache_dtype, device):
-    args = (torch.bfloat16, 64, 8, 8, 2, [3, 515, 1030])
-    clean = golden.random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7)
-    poisoned = golden.random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7, poison=True)
-    assert not torch.equal(clean["value_cache"], poisoned["value_cache"])
-    for version in golden.VERSIONS:
-        expected = golden.run_op(BACKEND, clean, version, device)
-        actual = golden.run_op(BACKEND, poisoned, version, device)
-        for name, tensor in expected.items():
-            assert torch.equal(actual[name].isnan(), tensor.isnan())
-            assert torch.equal(actual[name].nan_to_num(), tensor.nan_to_num()), name
+    golden.check_nan_in_unused_slots_changes_nothing(BACKEND, device, kv_cache_dtype)
 
 
 def test_strided_tensors_give_the_same_result(device):
-    inputs = golden.to_device(golden.random_case(torch.float16, 128, 16, 4, 2, [20, 700], poison=True), device)
-    expected = golden.nan_buffers(inputs, "v2", device)
-    golden.call_op(BACKEND, "v2", expected, inputs)
-    strided = dict(inputs)
-    strided["query"] = golden.non_contiguous(inputs["query"], dims=(0, 2))
-    strided["key_cache"] = golden.non_contiguous(inputs["key_cache"], dims=(0, 1))
-    strided["value_cache"] = golden.non_contiguous(inputs["value_cache"], dims=(1, 3))
-    strided["block_tables"] = inputs["block_tables"].t().contiguous().t()
-    buffers = {name: golden.non_contiguous(tensor, dims=(0, 1))
-               for name, tensor in golden.nan_buffers(inputs, "v2", device).items()}
-    golden.call_op(BACKEND, "v2", buffers, strided)
-    for name, tensor in expected.items():
-        assert not buffers[name].is_contiguous()
-        assert torch.equal(buffers[name].nan_to_num(), tensor.nan_to_num()), name
-        assert torch.equal(buffers[name].isnan(), tensor.isnan()), name
+    golden.check_strided_tensors_give_the_same_result(BACKEND, device)
 
 
 def test_scale_as_float_or_tensor(device):
-    inputs = golden.random_case(torch.bfloat16, 64, 16, 4, 1, [40, 600], kv_cache_dtype="fp8",
-                                k_scale=0.02, v_scale=0.03, poison=True)
-    ref = golden.reference_for(inputs)
-    for version in golden.VERSIONS:
-        as_float = golden.run_op(BACKEND, inputs, version, device)
-        as_tensor = golden.run_op(BACKEND, inputs, version, device, scale_as_tensor=True)
-        golden.check_against_reference(as_float, ref, golden.random_tolerance(inputs))
-        for name, tensor in as_float.items():
-            assert torch.equal(as_tensor[name].nan_to_num(), tensor.nan_to_num()), name
+    golden.check_scale_as_float_or_tensor(BACKEND, device, torch.bfloat16, "fp8")
 
 
 BLOCKSPARSE = [
