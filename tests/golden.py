@@ -303,3 +303,26 @@ def check_scale_as_float_or_tensor(backend, device, dtype, kv_cache_dtype):
         check_against_reference(as_float, ref, random_tolerance(inputs))
         for name, tensor in as_float.items():
             assert torch.equal(as_tensor[name].nan_to_num(), tensor.nan_to_num()), name
+
+
+# Ways to break a block table or a sequence length; each touches sequence 1 only, and a backend must
+# give NaN for that sequence, never read or write out of bounds (or, validating, raise first).
+
+def entry_too_large(inputs):
+    inputs["block_tables"][1, 1] = inputs["key_cache"].shape[0]
+
+
+def entry_negative(inputs):
+    inputs["block_tables"][1, 0] = -5
+
+
+def too_few_columns(inputs):
+    inputs["seq_lens"][1] = inputs["block_tables"].shape[1] * inputs["block_size"] + 1
+    inputs["max_seq_len"] = int(inputs["seq_lens"].max())
+
+
+def longer_than_max_seq_len(inputs):
+    inputs["seq_lens"][1] = inputs["max_seq_len"] + 1
+
+
+BAD_TABLE_BREAKERS = (entry_too_large, entry_negative, too_few_columns, longer_than_max_seq_len)

@@ -162,27 +162,9 @@ def test_small_tiles_give_the_same_result(tile_bytes, monkeypatch, device):
 
 # --- bad tables: NaN for the sequence concerned, never an out-of-bounds access; or a ValueError ---
 
-def _bad_table_cases():
-    base = dict(dtype=torch.float16, head_size=64, block_size=16, num_heads=4, num_kv_heads=2,
-                seq_lens=[100, 40, 600], poison=True)
-
-    def entry_too_large(inputs):
-        inputs["block_tables"][1, 1] = inputs["key_cache"].shape[0]
-
-    def entry_negative(inputs):
-        inputs["block_tables"][1, 0] = -5
-
-    def too_few_columns(inputs):
-        inputs["seq_lens"][1] = inputs["block_tables"].shape[1] * 16 + 1
-        inputs["max_seq_len"] = int(inputs["seq_lens"].max())
-
-    def longer_than_max_seq_len(inputs):
-        inputs["seq_lens"][1] = inputs["max_seq_len"] + 1
-
-    return base, [entry_too_large, entry_negative, too_few_columns, longer_than_max_seq_len]
-
-
-_BASE, _BREAKERS = _bad_table_cases()
+_BASE = dict(dtype=torch.float16, head_size=64, block_size=16, num_heads=4, num_kv_heads=2,
+             seq_lens=[100, 40, 600], poison=True)
+_BREAKERS = golden.BAD_TABLE_BREAKERS
 
 
 @pytest.mark.parametrize("breaker", _BREAKERS, ids=lambda f: f.__name__)

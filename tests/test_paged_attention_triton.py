@@ -188,25 +188,7 @@ def test_blocksparse_matches_reference(sparse, device):
 
 # --- bad tables: NaN for the sequence concerned, never an out-of-bounds access -------------------
 
-def _entry_too_large(inputs):
-    inputs["block_tables"][1, 1] = inputs["key_cache"].shape[0]
-
-
-def _entry_negative(inputs):
-    inputs["block_tables"][1, 0] = -5
-
-
-def _too_few_columns(inputs):
-    inputs["seq_lens"][1] = inputs["block_tables"].shape[1] * 16 + 1
-    inputs["max_seq_len"] = int(inputs["seq_lens"].max())
-
-
-def _longer_than_max_seq_len(inputs):
-    inputs["seq_lens"][1] = inputs["max_seq_len"] + 1
-
-
-@pytest.mark.parametrize("breaker", [_entry_too_large, _entry_negative, _too_few_columns, _longer_than_max_seq_len],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("breaker", golden.BAD_TABLE_BREAKERS, ids=lambda f: f.__name__)
 def test_bad_table_gives_nan_for_that_sequence_only(breaker, device):
     inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [100, 600, 40], poison=True)
     ref = golden.reference_for(inputs)
