@@ -112,28 +112,29 @@ def _decode_fp8(bits, FORMAT: tl.constexpr):
 
 @triton.jit
 def _load_step(key_head, value_head, table_row, stride_bt1, block_id, first, end, num_blocks, key_dims, dims, dim_ok,
-               offs_n, stride_k0, stride_k3, stride_v0, stride_v2, stride_v3,
+               offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr):
-    """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] (zero past
+    """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] (V zero past
     ``end``) and the number of out-of-range block ids met. ``block_id`` is the step's id when the step is one
-    whole cache block (a scalar id keeps V's rows contiguous: vector loads); otherwise ids are gathered per token."""
+    whole cache block (a scalar id keeps V's rows contiguous: vector loads); otherwise ids are gathered per token.
+    Load masks are per step (a scalar) and per 8 dims only: a per-token mask would split every vector load.
+    Unused slots and bad ids read block 0 (in bounds); their logits are masked by the caller."""
     tokens = first + offs_n
     token_ok = tokens < end
+    step_ok = (first < end) & (num_blocks > 0)
     if BLOCK_N == BLOCK_SIZE:
         block_bad = (first < end) & ((block_id < 0) | (block_id >= num_blocks))
         bad = block_bad.to(tl.int32)
         safe_id = tl.where(block_bad, 0, block_id).to(tl.int64)
-        load_ok = token_ok & (block_bad == 0)
-        key_ptrs = key_head + safe_id * stride_k0 + key_dims[:, None] + offs_n[None, :] * stride_k3
+        key_ptrs = key_head + safe_id * stride_k0 + key_dims[:, None] + offs_n[None, :] * key_slot_stride
         value_ptrs = value_head + safe_id * stride_v0 + offs_n[:, None] * stride_v3 + dims[None, :] * stride_v2
     else:  # a step spans several cache blocks (block_size 8) or part of one (a smaller tile)
         ids = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_bt1, mask=token_ok, other=0)
         ids_bad = token_ok & ((ids < 0) | (ids >= num_blocks))
         bad = tl.sum(ids_bad.to(tl.int32), axis=0)
         safe_ids = tl.where(ids_bad, 0, ids).to(tl.int64)
-        load_ok = token_ok & (ids_bad == 0)
         slots = tokens % BLOCK_SIZE
-        key_ptrs = key_head + safe_ids[None, :] * stride_k0 + key_dims[:, None] + slots[None, :] * stride_k3
+        key_ptrs = key_head + safe_ids[None, :] * stride_k0 + key_dims[:, None] + slots[None, :] * key_slot_stride
         value_rows = safe_ids * stride_v0 + slots * stride_v3
         if CONTIGUOUS_SLOTS:  # tell the compiler V's rows come in aligned runs (one block, or the step): vector loads
             if BLOCK_N >= BLOCK_SIZE:
@@ -141,8 +142,9 @@ def _load_step(key_head, value_head, table_row, stride_bt1, block_id, first, end
             else:
                 value_rows = tl.max_contiguous(tl.multiple_of(value_rows, BLOCK_N), BLOCK_N)
         value_ptrs = value_head + value_rows[:, None] + dims[None, :] * stride_v2
-    k = tl.load(key_ptrs, mask=dim_ok[:, None] & load_ok[None, :], other=0)
-    v = tl.load(value_ptrs, mask=load_ok[:, None] & dim_ok[None, :], other=0)
+    k = tl.load(key_ptrs, mask=dim_ok[:, None] & step_ok, other=0)
+    v = tl.load(value_ptrs, mask=dim_ok[None, :] & step_ok, other=0)
+    v = tl.where(token_ok[:, None], v, 0)  # unused slots may hold NaN, and 0 * NaN would reach the output
     return k, v, bad
 
 
@@ -164,7 +166,8 @@ def _attention_kernel(
     sparse_block_size, sparse_sliding_step,
     HEADS_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     X: tl.constexpr, KV_FORMAT: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr,
+    IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr, USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Grid (num_kv_heads * head_chunks, num_seqs, num_splits); split s covers tokens
     [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence. Head sizes are runtime values
@@ -185,7 +188,7 @@ def _attention_kernel(
     row_ok = rows < queries_per_kv
     heads = kv_head * queries_per_kv + rows
     dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < head_size
+    dim_ok = (dims // 8) < (head_size // 8)  # = dims < head_size, constant over runs of 8 (vector loads)
     offs_n = tl.arange(0, BLOCK_N)
 
     q = tl.load(query_ptr + seq.to(tl.int64) * stride_q0 + heads[:, None] * stride_q1 + dims[None, :] * stride_q2,
@@ -214,30 +217,48 @@ def _attention_kernel(
     key_head = key_ptr + kv_head.to(tl.int64) * stride_k1
     value_head = value_ptr + kv_head.to(tl.int64) * stride_v1
     key_dims = (dims // X) * stride_k2 + (dims % X) * stride_k4
+    # vLLM's layout has K's slots X apart: a constexpr stride lets the compiler prove 16-byte runs (vector
+    # loads); a runtime stride of 8 carries no divisibility and every K element became its own 2-byte load.
+    if CONTIGUOUS_SLOTS:
+        key_slot_stride = X
+    else:
+        key_slot_stride = stride_k3
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt0
 
     m_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32)
     acc = tl.zeros([HEADS_BLOCK, HEAD_PAD], dtype=tl.float32)
-    # Software pipelining by hand (works on every Triton and on GPUs without async copies): the next
-    # step's K and V are in flight while this step computes, the block id two steps ahead.
+    if not USE_DOT:
+        q_wide = q.to(tl.float32)
+    bad_blocks = 0
     next_id = 0
-    if BLOCK_N == BLOCK_SIZE:
-        next_id = tl.load(table_row + (start // BLOCK_SIZE) * stride_bt1, mask=start < end, other=0)
-    k, v, bad_blocks = _load_step(key_head, value_head, table_row, stride_bt1, next_id, start, end, num_blocks,
-                                  key_dims, dims, dim_ok, offs_n, stride_k0, stride_k3, stride_v0, stride_v2,
-                                  stride_v3, BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
-    if BLOCK_N == BLOCK_SIZE:
-        next_id = tl.load(table_row + ((start + BLOCK_N) // BLOCK_SIZE) * stride_bt1, mask=start + BLOCK_N < end,
-                          other=0)
-    for first in range(start, end, BLOCK_N):
-        k_next, v_next, bad_next = _load_step(key_head, value_head, table_row, stride_bt1, next_id, first + BLOCK_N,
-                                              end, num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0, stride_k3,
-                                              stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N,
-                                              CONTIGUOUS_SLOTS)
+    if PREFETCH:
+        # Software pipelining by hand (for GPUs without async copies): the next step's K and V are in
+        # flight while this step computes, the block id two steps ahead.
         if BLOCK_N == BLOCK_SIZE:
-            ahead = first + 2 * BLOCK_N
-            next_id = tl.load(table_row + (ahead // BLOCK_SIZE) * stride_bt1, mask=ahead < end, other=0)
+            next_id = tl.load(table_row + (start // BLOCK_SIZE) * stride_bt1, mask=start < end, other=0)
+        k, v, bad_blocks = _load_step(key_head, value_head, table_row, stride_bt1, next_id, start, end, num_blocks,
+                                      key_dims, dims, dim_ok, offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2,
+                                      stride_v3, BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+        if BLOCK_N == BLOCK_SIZE:
+            next_id = tl.load(table_row + ((start + BLOCK_N) // BLOCK_SIZE) * stride_bt1,
+                              mask=start + BLOCK_N < end, other=0)
+    for first in range(start, end, BLOCK_N):
+        if PREFETCH:
+            k_next, v_next, bad_next = _load_step(key_head, value_head, table_row, stride_bt1, next_id,
+                                                  first + BLOCK_N, end, num_blocks, key_dims, dims, dim_ok, offs_n,
+                                                  stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3, BLOCK_SIZE,
+                                                  BLOCK_N, CONTIGUOUS_SLOTS)
+            if BLOCK_N == BLOCK_SIZE:
+                ahead = first + 2 * BLOCK_N
+                next_id = tl.load(table_row + (ahead // BLOCK_SIZE) * stride_bt1, mask=ahead < end, other=0)
+        else:  # Triton's pipeliner (num_stages > 1) overlaps the loads where the GPU has async copies
+            if BLOCK_N == BLOCK_SIZE:
+                next_id = tl.load(table_row + (first // BLOCK_SIZE) * stride_bt1)
+            k, v, bad_step = _load_step(key_head, value_head, table_row, stride_bt1, next_id, first, end,
+                                        num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0, key_slot_stride,
+                                        stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+            bad_blocks += bad_step
         tokens = first + offs_n
         token_ok = tokens < end
         k_tile = k
@@ -246,7 +267,10 @@ def _attention_kernel(
             k_tile = _decode_fp8(k, KV_FORMAT).to(dot_dtype)
             v_tile = _decode_fp8(v, KV_FORMAT).to(dot_dtype)
 
-        logits = tl.dot(q, k_tile, allow_tf32=False) * qk_scale  # [HEADS_BLOCK, BLOCK_N], log2 units
+        if USE_DOT:
+            logits = tl.dot(q, k_tile, allow_tf32=False) * qk_scale  # [HEADS_BLOCK, BLOCK_N], log2 units
+        else:  # few query rows: broadcast products in float32 beat a 16-row padded tl.dot
+            logits = tl.sum(q_wide[:, :, None] * k_tile.to(tl.float32)[None, :, :], axis=1) * qk_scale
         if HAS_ALIBI:
             logits += slopes[:, None] * (tokens - seq_len + 1).to(tl.float32)[None, :]
         if IS_SPARSE:  # vLLM's rule: skipped blocks get logit -FLT_MAX and add no V
@@ -262,11 +286,15 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IS_SPARSE:
             p = tl.where(keep, p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v_tile, allow_tf32=False)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v_tile, allow_tf32=False)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v_tile.to(tl.float32)[None, :, :], axis=1)
         m_i = m_new
-        bad_blocks += bad_next
-        k = k_next
-        v = v_next
+        if PREFETCH:
+            bad_blocks += bad_next
+            k = k_next
+            v = v_next
 
     if KV_FORMAT != 0:
         acc = acc * v_factor
@@ -483,7 +511,7 @@ def _plan(call, limits):
         HEADS_BLOCK=config.heads_block, HEAD_PAD=triton.next_power_of_2(call.head_size), BLOCK_SIZE=call.block_size,
         BLOCK_N=config.block_n, X=call.x, KV_FORMAT=FP8_FORMATS[call.kv_cache_dtype],
         HAS_ALIBI=call.alibi_slopes is not None, IS_SPARSE=call.blocksparse is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        USE_DOT=config.use_dot, PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=config.num_stages)
     return plan
 
 
@@ -545,8 +573,11 @@ def _launch(call, plan):
             call.queries_per_kv, plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len,
             tokens_per_split, num_splits, *sparse_args)
     value_strides = cache_strides[2]
-    # vLLM's layout (block slots innermost in V, and blocks a multiple of block_size apart) allows vector hints.
-    contiguous = value_strides[3] == 1 and value_strides[0] % call.block_size == 0
+    # vLLM's layout (block slots innermost in V, X apart in K, blocks a multiple of block_size apart) allows
+    # vector hints.
+    key_strides = cache_strides[1]
+    contiguous = (value_strides[3] == 1 and value_strides[0] % call.block_size == 0 and key_strides[4] == 1
+                  and key_strides[3] == call.x)
     grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
     _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
                device, args, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,

@@ -20,8 +20,8 @@ from . import configs, contract
 from .limits import DeviceLimits
 
 CACHE_FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2")
-# One representative group size per heads_block class (16, 32, 64 query rows).
-GROUP_CLASSES = (1, 32, 64)
+# One representative group size per config class (one row; 16, 32, 64 query rows).
+GROUP_CLASSES = (1, 8, 32, 64)
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Strides Triton specialises to the constant 1 on vLLM's layouts (contiguous innermost dims).
@@ -142,7 +142,8 @@ def _attention_source(kernels, variant):
     constants = dict(HEADS_BLOCK=config.heads_block, HEAD_PAD=configs._next_power_of_2(variant.head_size),
                      BLOCK_SIZE=variant.block_size, BLOCK_N=config.block_n, X=x,
                      KV_FORMAT=kernels.FP8_FORMATS[variant.kv_cache_dtype], SCALES_IN_MEMORY=True,
-                     HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, CONTIGUOUS_SLOTS=True)
+                     HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, CONTIGUOUS_SLOTS=True,
+                     USE_DOT=config.use_dot, PREFETCH=config.prefetch)
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
