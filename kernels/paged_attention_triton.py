@@ -9,10 +9,12 @@ Shapes (vLLM's layouts; D = head_size, G = num_heads // num_kv_heads)::
     v2 buffers:  exp_sums, max_logits [num_seqs, num_heads, P] float32; tmp_out [num_seqs, num_heads, P, D]
 
 ``_attention_kernel`` runs on the grid (kv head x head chunk, sequence, split). One program loads
-the query rows of every query head sharing its kv head (G padded to >= 16 rows for ``tl.dot``),
-walks its split's tokens ``BLOCK_N`` at a time through the block table (one whole cache block per
-step where the block holds >= 16 tokens), and keeps an online softmax in float32 with exp2 (log2(e)
-folded into the scale). A split either is the whole sequence (writes ``out``) or a token range that
+the query rows of every query head sharing its kv head and walks its split's tokens ``BLOCK_N`` at a
+time through the block table, with 16-byte vector loads (masks per step and per 8 dims, never per
+token). Scores and output come from ``tl.dot`` (G padded to >= 16 rows) or, for one query row, from
+float32 broadcast products (``USE_DOT``); the next step's loads are issued by the kernel itself or
+left to Triton's pipeliner (``PREFETCH``). An online softmax in float32 uses exp2 (log2(e) folded
+into the scale). A split either is the whole sequence (writes ``out``) or a token range that
 writes its max logit, sum of exp and self-normalised output; ``_reduce_kernel`` combines the valid
 splits. v2 uses vLLM's 512-token partitions and buffers; v1 picks its own split from the SM count.
 
