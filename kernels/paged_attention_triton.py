@@ -249,8 +249,8 @@ def _attention_kernel(
         if PREFETCH:
             k_next, v_next, bad_next = _load_step(key_head, value_head, table_row, stride_bt1, next_id,
                                                   first + BLOCK_N, end, num_blocks, key_dims, dims, dim_ok, offs_n,
-                                                  stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3, BLOCK_SIZE,
-                                                  BLOCK_N, CONTIGUOUS_SLOTS)
+                                                  stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
+                                                  BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
             if BLOCK_N == BLOCK_SIZE:
                 ahead = first + 2 * BLOCK_N
                 next_id = tl.load(table_row + (ahead // BLOCK_SIZE) * stride_bt1, mask=ahead < end, other=0)
