@@ -1,68 +1,117 @@
-"""Sweep of Triton kernel configs on a GPU (dot / broadcast products, own prefetch / Triton pipeliner, tile,
-warps, stages, splits) over six issue-7 rows; prints each and writes tune2.json into $OUT. The H200 run behind
-configs.py is benchmarks/results/nvidia-h200/tune.json. Usage: OUT=dir python benchmarks/tune_triton_configs.py"""
-import sys, time, json, os
+"""Sweep of Triton kernel configs on a GPU, behind the choices in kernels/configs.py.
 
-import torch, triton
+For six issue-7 rows it times our v1 entry point under every candidate config (tl.dot or float32 broadcast
+products, the kernel's own prefetch or Triton's pipeliner, tokens per step, warps, stages), then the three
+best again under other split-KV settings. Prints each result and writes ``tune.json`` into ``--results-dir``
+(the H200 run: benchmarks/results/nvidia-h200/tune.json).
+
+    python benchmarks/tune_triton_configs.py --results-dir DIR
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
 from triton.testing import do_bench
-from biv100_patch.kernels import get_backend, configs
+
+from biv100_patch.kernels import configs, get_backend
 from biv100_patch.kernels.limits import DeviceLimits
-KC = configs.KernelConfig
-dev = torch.device("cuda")
-lim = DeviceLimits.from_torch_device(dev)
-print("limits", lim, "triton", triton.__version__, "torch", torch.__version__, flush=True)
-src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=dev); dst = torch.empty_like(src)
-COPY = 2 * src.numel() / (do_bench(lambda: dst.copy_(src), rep=200) * 1e-3) / 1e9
-print(f"copy {COPY:.0f} GB/s", flush=True); del src, dst
-OUT = os.environ.get("OUT", "/tmp")
-R = {"copy_GBps": COPY, "sweep": []}
-def save(): json.dump(R, open(os.path.join(OUT, "tune2.json"), "w"), indent=1)
-def make(dtype, heads, kv, ns, L, bs=16, D=128):
-    nb = ns * (L // bs); x = 16 // torch.empty((), dtype=dtype).element_size()
-    c = dict(kc=torch.randn(nb, kv, D // x, bs, x, device=dev, dtype=dtype), vc=torch.randn(nb, kv, D, bs, device=dev, dtype=dtype),
-             bt=torch.randperm(nb, device=dev, dtype=torch.int32).view(ns, L // bs), sl=torch.full((ns,), L, dtype=torch.int32, device=dev),
-             q=torch.randn(ns, heads, D, device=dev, dtype=dtype), kv=kv, L=L, bs=bs)
-    c["out"] = torch.empty_like(c["q"]); c["bytes"] = 2 * c["kc"].numel() * c["kc"].element_size(); return c
-def v1(be, c):
-    a = (c["q"], c["kc"], c["vc"], c["kv"], 0.088, c["bt"], c["sl"], c["bs"], c["L"], None, "auto", 1.0, 1.0)
-    return lambda: be.paged_attention_v1(c["out"], *a)
-def bench(fn):
-    fn(); torch.cuda.synchronize(); return do_bench(fn, rep=30, warmup=5) * 1e3
-pct = lambda c, us: 100 * c["bytes"] / (us * 1e-6) / 1e9 / COPY
-orig_choose, orig_pps, orig_min = configs.choose_config, configs.PROGRAMS_PER_SM, configs.MIN_TOKENS_PER_SPLIT
-def backend(cfg, pps=4, mins=512):
-    configs.choose_config = lambda *a, **k: cfg
-    configs.PROGRAMS_PER_SM = pps; configs.MIN_TOKENS_PER_SPLIT = mins
-    return get_backend("triton", limits=lim)
-def cands(G):
-    g = max(1, triton.next_power_of_2(G))
-    out = []
-    for bn, w, s, pf in ((16, 2, 1, True), (16, 4, 1, True), (32, 4, 1, True), (64, 4, 1, True), (16, 4, 3, False),
-                         (32, 4, 3, False), (64, 4, 3, False), (64, 8, 3, False)):
-        out.append(KC(bn, max(16, g), w, s, True, pf))
-    for hb in sorted({g, 1}):
-        for bn, w, s, pf in ((16, 2, 1, True), (16, 4, 1, True), (32, 4, 1, True), (16, 4, 3, False), (32, 4, 3, False),
-                             (64, 4, 3, False), (64, 8, 3, False)):
-            if hb * bn * 128 // (w * 32) > 256: continue       # register tile too big
-            out.append(KC(bn, hb, w, s, False, pf))
-    return out
-rows = [(torch.float16, 32, 8, 64, 8192), (torch.float16, 32, 8, 1, 32768), (torch.float16, 32, 32, 32, 8192),
+
+HEAD_SIZE, BLOCK_SIZE = 128, 16
+ROWS = [(torch.float16, 32, 8, 64, 8192), (torch.float16, 32, 8, 1, 32768), (torch.float16, 32, 32, 32, 8192),
         (torch.bfloat16, 64, 8, 64, 8192), (torch.float16, 32, 8, 256, 2048), (torch.float16, 32, 8, 8, 2048)]
-t0 = time.time()
-for dtype, h, kv, ns, L in rows:
-    c = make(dtype, h, kv, ns, L); res = []
-    for cfg in cands(h // kv):
-        try:
-            us = bench(v1(backend(cfg), c))
-        except Exception as e:
-            print("ERR", cfg, str(e)[:200], flush=True); continue
-        res.append((us, cfg)); R["sweep"].append(dict(dtype=str(dtype), heads=(h, kv), ns=ns, L=L, cfg=cfg.__dict__, pps=4, us=us, pct=pct(c, us)))
-        print(f"[{time.time()-t0:.0f}s] {str(dtype)[6:]} ({h},{kv}) {ns}x{L} {cfg.block_n}/{cfg.heads_block}/w{cfg.num_warps}/s{cfg.num_stages}/dot{int(cfg.use_dot)}/pf{int(cfg.prefetch)}: {us:.1f}us {pct(c, us):.1f}%", flush=True)
-    res.sort(key=lambda r: r[0])
-    for us0, cfg in res[:3]:
-        for pps, mins in ((2, 512), (8, 256), (16, 256), (32, 128)):
-            us = bench(v1(backend(cfg, pps, mins), c))
-            R["sweep"].append(dict(dtype=str(dtype), heads=(h, kv), ns=ns, L=L, cfg=cfg.__dict__, pps=pps, mins=mins, us=us, pct=pct(c, us)))
-            print(f"   pps{pps} min{mins} {cfg.block_n}/{cfg.heads_block}/w{cfg.num_warps}/s{cfg.num_stages}/dot{int(cfg.use_dot)}/pf{int(cfg.prefetch)}: {us:.1f}us {pct(c, us):.1f}%", flush=True)
-    save(); del c; torch.cuda.empty_cache()
-print("done", time.time() - t0, flush=True)
+SPLIT_SETTINGS = ((2, 512), (8, 256), (16, 256), (32, 128))  # (programs per SM, min tokens per split)
+MOST_TILE_VALUES_PER_THREAD = 256  # broadcast tiles beyond this spill registers
+
+
+def candidates(group):
+    """Configs worth timing for ``group`` query heads per kv head."""
+    rows = triton.next_power_of_2(group)
+    found = [configs.KernelConfig(block_n, max(configs.MIN_DOT_ROWS, rows), warps, stages, True, prefetch)
+             for block_n, warps, stages, prefetch in ((16, 2, 1, True), (16, 4, 1, True), (32, 4, 1, True),
+                                                      (64, 4, 1, True), (16, 4, 3, False), (32, 4, 3, False),
+                                                      (64, 4, 3, False), (64, 8, 3, False))]
+    for heads_block in sorted({rows, 1}):
+        for block_n, warps, stages, prefetch in ((16, 2, 1, True), (16, 4, 1, True), (32, 4, 1, True),
+                                                 (16, 4, 3, False), (32, 4, 3, False), (64, 4, 3, False),
+                                                 (64, 8, 3, False)):
+            if heads_block * block_n * HEAD_SIZE // (warps * 32) <= MOST_TILE_VALUES_PER_THREAD:
+                found.append(configs.KernelConfig(block_n, heads_block, warps, stages, False, prefetch))
+    return found
+
+
+def make_row(dtype, num_heads, num_kv_heads, num_seqs, seq_len, device):
+    blocks = num_seqs * (seq_len // BLOCK_SIZE)
+    x = 16 // torch.empty((), dtype=dtype).element_size()
+    key_cache = torch.randn(blocks, num_kv_heads, HEAD_SIZE // x, BLOCK_SIZE, x, device=device, dtype=dtype)
+    value_cache = torch.randn(blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE, device=device, dtype=dtype)
+    tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(num_seqs, -1)
+    lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+    query = torch.randn(num_seqs, num_heads, HEAD_SIZE, device=device, dtype=dtype)
+    args = (torch.empty_like(query), query, key_cache, value_cache, num_kv_heads, HEAD_SIZE ** -0.5, tables, lens,
+            BLOCK_SIZE, seq_len, None, "auto", 1.0, 1.0)
+    return args, 2 * key_cache.numel() * key_cache.element_size()
+
+
+def time_config(config, args, limits, programs_per_sm=configs.PROGRAMS_PER_SM,
+                min_tokens=configs.MIN_TOKENS_PER_SPLIT):
+    """Median us of one v1 call with ``config`` and the split settings forced (restored afterwards)."""
+    saved = configs.choose_config, configs.PROGRAMS_PER_SM, configs.MIN_TOKENS_PER_SPLIT
+    configs.choose_config = lambda *_, **__: config
+    configs.PROGRAMS_PER_SM, configs.MIN_TOKENS_PER_SPLIT = programs_per_sm, min_tokens
+    try:
+        backend = get_backend("triton", limits=limits)
+        backend.paged_attention_v1(*args)
+        torch.cuda.synchronize()
+        return do_bench(lambda: backend.paged_attention_v1(*args), rep=30, warmup=5) * 1e3
+    finally:
+        configs.choose_config, configs.PROGRAMS_PER_SM, configs.MIN_TOKENS_PER_SPLIT = saved
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results-dir", default=os.environ.get("OUT", "."))
+    options = parser.parse_args()
+    device = torch.device("cuda")
+    limits = DeviceLimits.from_torch_device(device)
+    source = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copy_gbps = 2 * source.numel() / (do_bench(lambda: target.copy_(source), rep=200) * 1e-3) / 1e9
+    del source, target
+    print(f"{limits}, triton {triton.__version__}, torch {torch.__version__}, copy {copy_gbps:.0f} GB/s", flush=True)
+    results = {"copy_GBps": copy_gbps, "sweep": []}
+    started = time.time()
+    for dtype, num_heads, num_kv_heads, num_seqs, seq_len in ROWS:
+        args, kv_bytes = make_row(dtype, num_heads, num_kv_heads, num_seqs, seq_len, device)
+
+        def record(config, us, programs_per_sm=configs.PROGRAMS_PER_SM, min_tokens=configs.MIN_TOKENS_PER_SPLIT):
+            pct = 100 * kv_bytes / (us * 1e-6) / 1e9 / copy_gbps
+            results["sweep"].append(dict(dtype=str(dtype), heads=(num_heads, num_kv_heads), ns=num_seqs, L=seq_len,
+                                         cfg=config.__dict__, pps=programs_per_sm, mins=min_tokens, us=us, pct=pct))
+            print(f"[{time.time() - started:.0f}s] {str(dtype)[6:]} ({num_heads},{num_kv_heads}) {num_seqs}x{seq_len} "
+                  f"{config} pps{programs_per_sm} min{min_tokens}: {us:.1f} us {pct:.1f}%", flush=True)
+
+        timed = []
+        for config in candidates(num_heads // num_kv_heads):
+            try:
+                us = time_config(config, args, limits)
+            except Exception as error:  # a config the compiler refuses is reported, the sweep goes on
+                print("failed", config, str(error)[:200], flush=True)
+                continue
+            record(config, us)
+            timed.append((us, config))
+        for _, config in sorted(timed, key=lambda pair: pair[0])[:3]:
+            for programs_per_sm, min_tokens in SPLIT_SETTINGS:
+                record(config, time_config(config, args, limits, programs_per_sm, min_tokens), programs_per_sm,
+                       min_tokens)
+        with open(os.path.join(options.results_dir, "tune.json"), "w") as file:
+            json.dump(results, file, indent=1)
+        del args
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
