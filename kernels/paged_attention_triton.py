@@ -11,7 +11,9 @@ Shapes (vLLM's layouts; D = head_size, G = num_heads // num_kv_heads)::
 ``_attention_kernel`` runs on the grid (kv head x head chunk, sequence, split). One program loads
 the query rows of every query head sharing its kv head and walks its split's tokens ``BLOCK_N`` at a
 time through the block table, with 16-byte vector loads (masks per step and per 8 dims, never per
-token). Scores and output come from ``tl.dot`` (G padded to >= 16 rows) or, for one query row, from
+token). Block ids are loaded a step ahead of their K and V, so the address of a step's loads never
+waits on a load of the same step (and Triton's pipeliner multi-buffers them); whole steps run without
+token masks, only the split's last, partial step masks its tokens. Scores and output come from ``tl.dot`` (G padded to >= 16 rows) or, for one query row, from
 float32 broadcast products (``USE_DOT``); the next step's loads are issued by the kernel itself or
 left to Triton's pipeliner (``PREFETCH``). An online softmax in float32 uses exp2 (log2(e) folded
 into the scale). A split either is the whole sequence (writes ``out``) or a token range that
@@ -113,25 +115,36 @@ def _decode_fp8(bits, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _load_step(key_head, value_head, table_row, stride_bt1, block_id, first, end, num_blocks, key_dims, dims, dim_ok,
-               offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
+def _step_ids(table_row, stride_bt1, first, end, offs_n, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block ids of the step at token ``first`` (0 past ``end``): a scalar when the step is one whole cache
+    block, else one per token. Loaded a step ahead of their K and V: a K/V address that waits on a load of
+    the same step leaves every step's latency exposed (and Triton's pipeliner single-buffered)."""
+    if BLOCK_N == BLOCK_SIZE:
+        ids = tl.load(table_row + (first // BLOCK_SIZE) * stride_bt1, mask=first < end, other=0)
+    else:
+        tokens = first + offs_n
+        ids = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_bt1, mask=tokens < end, other=0)
+    return ids
+
+
+@triton.jit
+def _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0,
+               key_slot_stride, stride_v0, stride_v2, stride_v3,
                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr):
-    """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] (V zero past
-    ``end``) and the number of out-of-range block ids met. ``block_id`` is the step's id when the step is one
-    whole cache block (a scalar id keeps V's rows contiguous: vector loads); otherwise ids are gathered per token.
-    Load masks are per step (a scalar) and per 8 dims only: a per-token mask would split every vector load.
-    Unused slots and bad ids read block 0 (in bounds); their logits are masked by the caller."""
+    """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] and the number
+    of out-of-range block ids met. ``ids`` come from ``_step_ids``; a scalar id keeps V's rows contiguous
+    (vector loads). Load masks are per step (a scalar) and per 8 dims only: a per-token mask would split
+    every vector load. Unused slots and bad ids read block 0 (in bounds); their logits are masked by the caller."""
     tokens = first + offs_n
     token_ok = tokens < end
     step_ok = (first < end) & (num_blocks > 0)
     if BLOCK_N == BLOCK_SIZE:
-        block_bad = (first < end) & ((block_id < 0) | (block_id >= num_blocks))
+        block_bad = (first < end) & ((ids < 0) | (ids >= num_blocks))
         bad = block_bad.to(tl.int32)
-        safe_id = tl.where(block_bad, 0, block_id).to(tl.int64)
+        safe_id = tl.where(block_bad, 0, ids).to(tl.int64)
         key_ptrs = key_head + safe_id * stride_k0 + key_dims[:, None] + offs_n[None, :] * key_slot_stride
         value_ptrs = value_head + safe_id * stride_v0 + offs_n[:, None] * stride_v3 + dims[None, :] * stride_v2
     else:  # a step spans several cache blocks (block_size 8) or part of one (a smaller tile)
-        ids = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_bt1, mask=token_ok, other=0)
         ids_bad = token_ok & ((ids < 0) | (ids >= num_blocks))
         bad = tl.sum(ids_bad.to(tl.int32), axis=0)
         safe_ids = tl.where(ids_bad, 0, ids).to(tl.int64)
@@ -146,8 +159,48 @@ def _load_step(key_head, value_head, table_row, stride_bt1, block_id, first, end
         value_ptrs = value_head + value_rows[:, None] + dims[None, :] * stride_v2
     k = tl.load(key_ptrs, mask=dim_ok[:, None] & step_ok, other=0)
     v = tl.load(value_ptrs, mask=dim_ok[None, :] & step_ok, other=0)
-    v = tl.where(token_ok[:, None], v, 0)  # unused slots may hold NaN, and 0 * NaN would reach the output
     return k, v, bad
+
+
+@triton.jit
+def _attend_step(q, k, v, tokens, end, m_i, l_i, acc, qk_scale, seq_len, slopes, sparse_offset, query_sparse_block,
+                 sparse_block_size, sparse_vert_stride, sparse_local_blocks, KV_FORMAT: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, IS_SPARSE: tl.constexpr, USE_DOT: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over K [HEAD_PAD, BLOCK_N] and V [BLOCK_N, HEAD_PAD] at ``tokens``: the new
+    (m_i, l_i, acc). ``q`` is the dot operand (float32 for broadcast products). ``MASKED``: some tokens are
+    at or past ``end``: their logits are -inf and their V rows zero (unused slots may hold NaN, and 0 * NaN
+    would reach the output)."""
+    if MASKED:
+        token_ok = tokens < end
+        v = tl.where(token_ok[:, None], v, 0)
+    if KV_FORMAT != 0:
+        k = _decode_fp8(k, KV_FORMAT).to(q.dtype)
+        v = _decode_fp8(v, KV_FORMAT).to(q.dtype)
+    if USE_DOT:
+        logits = tl.dot(q, k, allow_tf32=False) * qk_scale  # [HEADS_BLOCK, BLOCK_N], log2 units
+    else:  # few query rows: broadcast products in float32 beat a 16-row padded tl.dot
+        logits = tl.sum(q[:, :, None] * k.to(tl.float32)[None, :, :], axis=1) * qk_scale
+    if HAS_ALIBI:
+        logits += slopes[:, None] * (tokens - seq_len + 1).to(tl.float32)[None, :]
+    if IS_SPARSE:  # vLLM's rule: skipped blocks get logit -FLT_MAX and add no V
+        key_sparse_block = tokens // sparse_block_size
+        keep = ((key_sparse_block[None, :] + sparse_offset[:, None]) % sparse_vert_stride == 0) \
+            | (key_sparse_block[None, :] > query_sparse_block - sparse_local_blocks)
+        logits = tl.where(keep, logits, -3.4028234663852886e38)
+    if MASKED:
+        logits = tl.where(token_ok[None, :], logits, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IS_SPARSE:
+        p = tl.where(keep, p, 0.0)
+    if USE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, allow_tf32=False)
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_blocks", "table_columns", "max_seq_len", "tokens_per_split", "num_splits",
@@ -195,7 +248,6 @@ def _attention_kernel(
 
     q = tl.load(query_ptr + seq.to(tl.int64) * stride_q0 + heads[:, None] * stride_q1 + dims[None, :] * stride_q2,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    dot_dtype = q.dtype
 
     if SCALES_IN_MEMORY:
         k_factor = tl.load(k_scale)
@@ -231,72 +283,53 @@ def _attention_kernel(
     l_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32)
     acc = tl.zeros([HEADS_BLOCK, HEAD_PAD], dtype=tl.float32)
     if not USE_DOT:
-        q_wide = q.to(tl.float32)
+        q = q.to(tl.float32)
+    if not HAS_ALIBI:
+        slopes = 0.0
+    if not IS_SPARSE:
+        sparse_offset = 0
+        query_sparse_block = 0
+    # Whole steps run unmasked; the last, partial step (if any) masks its tokens: the main loop's V goes
+    # from memory to the dot operand without a select in between.
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     bad_blocks = 0
-    next_id = 0
+    ids = _step_ids(table_row, stride_bt1, start, end, offs_n, BLOCK_SIZE, BLOCK_N)
     if PREFETCH:
         # Software pipelining by hand (for GPUs without async copies): the next step's K and V are in
-        # flight while this step computes, the block id two steps ahead.
-        if BLOCK_N == BLOCK_SIZE:
-            next_id = tl.load(table_row + (start // BLOCK_SIZE) * stride_bt1, mask=start < end, other=0)
-        k, v, bad_blocks = _load_step(key_head, value_head, table_row, stride_bt1, next_id, start, end, num_blocks,
-                                      key_dims, dims, dim_ok, offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2,
-                                      stride_v3, BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
-        if BLOCK_N == BLOCK_SIZE:
-            next_id = tl.load(table_row + ((start + BLOCK_N) // BLOCK_SIZE) * stride_bt1,
-                              mask=start + BLOCK_N < end, other=0)
-    for first in range(start, end, BLOCK_N):
+        # flight while this step computes, the block ids two steps ahead.
+        k, v, bad_blocks = _load_step(key_head, value_head, ids, start, end, num_blocks, key_dims, dims, dim_ok,
+                                      offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
+                                      BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+        ids = _step_ids(table_row, stride_bt1, start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
+    for first in range(start, full_end, BLOCK_N):
         if PREFETCH:
-            k_next, v_next, bad_next = _load_step(key_head, value_head, table_row, stride_bt1, next_id,
-                                                  first + BLOCK_N, end, num_blocks, key_dims, dims, dim_ok, offs_n,
-                                                  stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
-                                                  BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
-            if BLOCK_N == BLOCK_SIZE:
-                ahead = first + 2 * BLOCK_N
-                next_id = tl.load(table_row + (ahead // BLOCK_SIZE) * stride_bt1, mask=ahead < end, other=0)
+            k_next, v_next, bad_next = _load_step(key_head, value_head, ids, first + BLOCK_N, end, num_blocks,
+                                                  key_dims, dims, dim_ok, offs_n, stride_k0, key_slot_stride,
+                                                  stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N,
+                                                  CONTIGUOUS_SLOTS)
+            ids = _step_ids(table_row, stride_bt1, first + 2 * BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         else:  # Triton's pipeliner (num_stages > 1) overlaps the loads where the GPU has async copies
-            if BLOCK_N == BLOCK_SIZE:
-                next_id = tl.load(table_row + (first // BLOCK_SIZE) * stride_bt1)
-            k, v, bad_step = _load_step(key_head, value_head, table_row, stride_bt1, next_id, first, end,
-                                        num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0, key_slot_stride,
-                                        stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+            k, v, bad_step = _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims, dim_ok,
+                                        offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
+                                        BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+            ids = _step_ids(table_row, stride_bt1, first + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
             bad_blocks += bad_step
-        tokens = first + offs_n
-        token_ok = tokens < end
-        k_tile = k
-        v_tile = v
-        if KV_FORMAT != 0:
-            k_tile = _decode_fp8(k, KV_FORMAT).to(dot_dtype)
-            v_tile = _decode_fp8(v, KV_FORMAT).to(dot_dtype)
-
-        if USE_DOT:
-            logits = tl.dot(q, k_tile, allow_tf32=False) * qk_scale  # [HEADS_BLOCK, BLOCK_N], log2 units
-        else:  # few query rows: broadcast products in float32 beat a 16-row padded tl.dot
-            logits = tl.sum(q_wide[:, :, None] * k_tile.to(tl.float32)[None, :, :], axis=1) * qk_scale
-        if HAS_ALIBI:
-            logits += slopes[:, None] * (tokens - seq_len + 1).to(tl.float32)[None, :]
-        if IS_SPARSE:  # vLLM's rule: skipped blocks get logit -FLT_MAX and add no V
-            key_sparse_block = tokens // sparse_block_size
-            keep = ((key_sparse_block[None, :] + sparse_offset[:, None]) % sparse_vert_stride == 0) \
-                | (key_sparse_block[None, :] > query_sparse_block - sparse_local_blocks)
-            logits = tl.where(keep, logits, -3.4028234663852886e38)
-        logits = tl.where(token_ok[None, :], logits, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(logits - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IS_SPARSE:
-            p = tl.where(keep, p, 0.0)
-        if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v_tile, allow_tf32=False)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v_tile.to(tl.float32)[None, :, :], axis=1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_step(q, k, v, first + offs_n, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
+                                     sparse_offset, query_sparse_block, sparse_block_size, sparse_vert_stride,
+                                     sparse_local_blocks, KV_FORMAT, HAS_ALIBI, IS_SPARSE, USE_DOT, False)
         if PREFETCH:
             bad_blocks += bad_next
             k = k_next
             v = v_next
+    if full_end < end:
+        if not PREFETCH:  # (the prefetching loop has already loaded this step)
+            k, v, bad_step = _load_step(key_head, value_head, ids, full_end, end, num_blocks, key_dims, dims, dim_ok,
+                                        offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
+                                        BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+            bad_blocks += bad_step
+        m_i, l_i, acc = _attend_step(q, k, v, full_end + offs_n, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
+                                     sparse_offset, query_sparse_block, sparse_block_size, sparse_vert_stride,
+                                     sparse_local_blocks, KV_FORMAT, HAS_ALIBI, IS_SPARSE, USE_DOT, True)
 
     if KV_FORMAT != 0:
         acc = acc * v_factor
@@ -397,6 +430,10 @@ class _Launcher:
     def __call__(self, key, grid, device, args, make_constants):
         kernel = self.kernels.get(key)
         if kernel is not None:
+            # Raw addresses: the launcher then skips a data_ptr() call and a driver pointer query per tensor.
+            args = list(args)
+            for position in kernel.tensor_positions:
+                args[position] = args[position].data_ptr()
             kernel.run(grid[0], grid[1], grid[2], _current_stream(device.index), kernel.function,
                        kernel.packed_metadata, None, None, None, *args, *kernel.constexpr_tail)
             return
@@ -404,6 +441,7 @@ class _Launcher:
         kernel = self.fn[grid](*args, **constants)
         if _DIRECT_LAUNCH and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
             kernel.constexpr_tail = tuple(constants[name] for name in self.fn.arg_names[len(args):])
+            kernel.tensor_positions = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
             self.kernels[key] = kernel
 
 
