@@ -18,16 +18,21 @@ INTERPRETER_LIMITS = DeviceLimits(shared_memory_per_block=48 * 1024, multiproces
 MIN_DOT_ROWS = 16         # tl.dot needs M, N, K >= 16
 MAX_HEADS_BLOCK = 64      # more query heads per kv head are split over programs (head chunks)
 BIG_SHARED_MEMORY = 96 * 1024
-# Measured on the H200 (benchmarks/tune_triton_configs.py -> results/nvidia-h200/tune.json), vectorised loads:
-# - one query row per kv head: float32 broadcast products, a whole cache block per step, 64 threads
-#   (90% of copy; a 16-row padded tl.dot gave 41%);
-# - grouped heads: tl.dot with 32-token steps left to Triton's pipeliner (3 stages, 128 threads) where
-#   the GPU has async copies (capability >= 8.0): 58%; the kernel's own one-step prefetch with 64
-#   threads: 52% (what GPUs without async copies get); broadcast products with 4+ rows: <= 31%.
-THREADS_PER_PROGRAM = 64
+# Measured on the H200 (benchmarks/tune_triton_configs.py -> results/nvidia-h200/tune.json, and the sweep
+# in results/nvidia-h200/sweep.json), vectorised loads, block ids loaded a step ahead of their K and V:
+# - grouped heads: a 16-row tl.dot, one whole cache block per step;
+# - where the GPU has async copies (capability >= 8.0) Triton's pipeliner with 3 stages and one warp per
+#   16 rows: small programs, more of them resident per SM, more loads in flight (80% of copy; 4 warps: 66%);
+# - elsewhere (a BI-V100) the kernel's own one-step prefetch with 64 threads per 16 rows, one BI-V100 warp
+#   (on the H200 this path gave 62%, 77% with 32 threads; nothing was measured on a BI-V100);
+# - one query row per kv head: float32 broadcast products, 64 threads, a plain loop (89%; Triton pipelines
+#   only loads that feed tl.dot, and the compiler's own scheduling beat the kernel's prefetch, which holds
+#   more registers).
+PIPELINED_DOT_THREADS = 32  # per 16 query rows
+PREFETCH_DOT_THREADS = 64   # per 16 query rows
+BROADCAST_THREADS = 64
 PIPELINE_CAPABILITY = (8, 0)
-PIPELINED_THREADS = 128
-PIPELINED_STEPS = ((32, 3), (32, 2), (16, 3))  # (tokens per step, stages), most preferred first
+PIPELINE_STAGES = (3, 2)  # most preferred first
 PROGRAMS_PER_SM = 4       # split-KV until the grid covers the SMs this many times
 MIN_TOKENS_PER_SPLIT = 512  # shorter splits measured slower (and cost a reduce launch)
 REDUCE_NUM_WARPS = 4
@@ -57,16 +62,18 @@ def _bytes(dtype):
 
 def estimate_shared_bytes(capability, head_size, block_n, heads_block, query_dtype, kv_cache_dtype, num_stages,
                           use_dot=True):
-    """The compiler's shared memory for one config, as measured on its output (``variants.compile_variants``).
+    """The compiler's shared memory for one config, bounded from above (checked on compiled variants).
     tl.dot: K and V tiles in the dot dtype and the query tile (twice for 16-bit dtypes, for the dot-operand
-    copy); from capability 8.0 on, ``num_stages`` buffered copies of the loaded K and V tiles besides.
-    Broadcast products: only the cross-warp reductions' scratch, bounded by one float32 [HEAD_PAD, block_n]."""
+    copy). Broadcast products: the cross-warp reductions' scratch, bounded by one float32 [HEAD_PAD, block_n].
+    Pipelined configs (capability >= 8.0, ``num_stages`` > 1): ``num_stages`` buffered copies of the loaded
+    K and V tiles besides (the compiler allocates one fewer)."""
     head_pad = _next_power_of_2(head_size)
-    if not use_dot:
-        return 4 * head_pad * block_n * heads_block
     dot_bytes = _bytes(query_dtype)
-    tiles = 2 * block_n * head_pad * dot_bytes + heads_block * head_pad * dot_bytes * (2 if dot_bytes < 4 else 1)
-    if tuple(capability) >= (8, 0):
+    if use_dot:
+        tiles = 2 * block_n * head_pad * dot_bytes + heads_block * head_pad * dot_bytes * (2 if dot_bytes < 4 else 1)
+    else:
+        tiles = 4 * head_pad * block_n * heads_block
+    if tuple(capability) >= PIPELINE_CAPABILITY and num_stages > 1:
         load_bytes = 1 if kv_cache_dtype != "auto" else dot_bytes
         tiles += num_stages * 2 * block_n * head_pad * load_bytes
     return tiles
@@ -74,27 +81,32 @@ def estimate_shared_bytes(capability, head_size, block_n, heads_block, query_dty
 
 def candidate_configs(limits, head_size, block_size, query_dtype, kv_cache_dtype, queries_per_kv):
     """Configs in preference order, each fitting the limits' shared memory."""
-    small_warps = max(1, THREADS_PER_PROGRAM // limits.warp_size)
     fits = lambda c: estimate_shared_bytes(limits.capability, head_size, c.block_n, c.heads_block,  # noqa: E731
                                            query_dtype, kv_cache_dtype, c.num_stages, c.use_dot) \
         <= limits.shared_memory_per_block
+    warps = lambda threads: max(1, threads // limits.warp_size)  # noqa: E731
+    pipelined = tuple(limits.capability) >= PIPELINE_CAPABILITY
     found = []
     if queries_per_kv == 1:  # one query row: no tl.dot, one whole cache block per step
-        found.append(KernelConfig(block_size, 1, small_warps, 1, use_dot=False, prefetch=True))
+        if pipelined:
+            found += [KernelConfig(block_size, 1, warps(BROADCAST_THREADS), stages, use_dot=False, prefetch=False)
+                      for stages in PIPELINE_STAGES]
+        found.append(KernelConfig(block_size, 1, warps(BROADCAST_THREADS), 1, use_dot=False, prefetch=True))
     rows = max(_next_power_of_2(queries_per_kv), MIN_DOT_ROWS)
     # More than 16 query rows per program only where shared memory is plentiful (not on 48 KB parts).
     most_rows = MAX_HEADS_BLOCK if limits.shared_memory_per_block >= BIG_SHARED_MEMORY else MIN_DOT_ROWS
     heads_block = min(rows, most_rows)
     while heads_block >= MIN_DOT_ROWS:
-        if tuple(limits.capability) >= PIPELINE_CAPABILITY:
-            warps = max(1, PIPELINED_THREADS // limits.warp_size)
-            found += [KernelConfig(block_n, heads_block, warps, stages, use_dot=True, prefetch=False)
-                      for block_n, stages in PIPELINED_STEPS]
-        # The kernel's own prefetch: one whole cache block per step, or a 16-token tile where a 32-token
-        # block does not fit (or blocks of 8).
-        block_ns = [block_size] if block_size >= MIN_DOT_ROWS else []
-        block_ns += [MIN_DOT_ROWS] if block_size != MIN_DOT_ROWS else []
-        found += [KernelConfig(block_n, heads_block, small_warps, 1) for block_n in block_ns]
+        row_groups = heads_block // MIN_DOT_ROWS
+        # One whole cache block per step (16 tokens for blocks of 8: tl.dot's minimum), or a 16-token
+        # tile where a 32-token block does not fit.
+        block_ns = [max(block_size, MIN_DOT_ROWS)] + ([MIN_DOT_ROWS] if block_size > MIN_DOT_ROWS else [])
+        if pipelined:
+            found += [KernelConfig(block_n, heads_block, warps(PIPELINED_DOT_THREADS * row_groups), stages,
+                                   use_dot=True, prefetch=False)
+                      for block_n in block_ns for stages in PIPELINE_STAGES]
+        found += [KernelConfig(block_n, heads_block, warps(PREFETCH_DOT_THREADS * row_groups), 1)
+                  for block_n in block_ns]
         heads_block //= 2
     return [c for c in found if fits(c)]
 
@@ -109,7 +121,10 @@ def choose_config(limits, head_size, block_size, query_dtype, kv_cache_dtype, qu
 
 def choose_splits(limits, programs, max_seq_len, block_n):
     """v1's split-KV: ``(num_splits, tokens_per_split)``; one split when the grid already fills the device."""
-    wanted = -(-limits.multiprocessor_count * PROGRAMS_PER_SM // max(programs, 1))
+    # A grid smaller than the SM count (one long sequence) gets twice the programs per SM: on the H200 a
+    # 1 x 32768 MHA row went from 62% to 79% of copy (grouped heads: unchanged, capped by the split length).
+    per_sm = PROGRAMS_PER_SM if programs >= limits.multiprocessor_count else 2 * PROGRAMS_PER_SM
+    wanted = -(-limits.multiprocessor_count * per_sm // max(programs, 1))
     most = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(wanted, most))
     if splits == 1:
