@@ -181,6 +181,9 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
             _fail("tmp_out", "exp_sums, max_logits and tmp_out must agree on the partition count",
                   f"{tuple(exp_sums.shape)}, {tuple(max_logits.shape)}, {tuple(tmp_out.shape)}")
 
+    # get_device() (an int: the CUDA index, -1 for the CPU, meta, ...) is cheaper than comparing torch.device
+    # objects, and this runs on every decode step.
+    device_index = query.get_device()
     named_tensors = [("out", out), ("key_cache", key_cache), ("value_cache", value_cache),
                      ("block_tables", block_tables), ("seq_lens", seq_lens)]
     if alibi_slopes is not None:
@@ -188,7 +191,7 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
     if exp_sums is not None:
         named_tensors += [("exp_sums", exp_sums), ("max_logits", max_logits), ("tmp_out", tmp_out)]
     for name, tensor in named_tensors:
-        if tensor.device != device:
+        if tensor.get_device() != device_index or (device_index < 0 and tensor.device != device):
             _fail(name, f"must be on the query's device {device}", str(tensor.device))
 
     tp_rank = _int("tp_rank", tp_rank, 0)
