@@ -5,31 +5,44 @@ The fallback where Triton is not viable, and the CPU path. ``forward(call)`` tak
 ``tmp_out`` (v2) in place.
 
 How it works. Work is split into tiles of (a chunk of sequences) x (a run of 512-token
-partitions); within a tile everything is batched over sequences, KV heads, partitions and the
+partitions); within a tile everything is batched over KV heads, sequences, partitions and the
 query heads of a group (no Python loop per token or partition). Per tile::
 
-    K, V    one index_select each through the block table, straight into the layout bmm wants:
-            [kv_heads, seqs, partitions, 512, head_size]; fp8 decoded by one 256-entry table lookup
-    logits  bmm(q group [G, D], K^T) -> float32 q.k; * scale (+ ALiBi, block-sparse -FLT_MAX)
-    softmax per partition: max, sum of exp, p = exp / (sum + 1e-6) rounded to the query dtype
-            (vLLM's rounding), then bmm(p, V) accumulated in float32: the normalised partition output
+    K, V    one gather each through the block table, into layouts the matmuls read without a copy:
+            K as [kv_heads, blocks, block_size, head_size] (a [tokens, head_size] matrix per
+            partition), V as [head_size, kv_heads, blocks, block_size] (V^T per partition, tokens
+            contiguous as in the cache); fp8 decoded by one 256-entry table lookup
+    logits  bmm(q group [G, D], K^T) -> float32 q.k (* scale, + ALiBi, block-sparse -FLT_MAX)
+    softmax per partition: max, exp(scale * qk - max) in place, sum, p = exp / (sum + 1e-6)
+            rounded to the query dtype (vLLM's rounding), then bmm(p, V) accumulated in float32:
+            the normalised partition output
 
 Then, per chunk of sequences, the partitions are reduced into ``out`` with vLLM's rescaling
 (``w_p = exp_sum_p * exp(max_p - max)``, ``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a
 single partition copied). v2 writes its three per-partition outputs only for partitions
 ``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query dtype, like
 vLLM's reduce kernel); v1 reduces from the float32 partition outputs. seq_len 0 gives zeros.
+Per-call index tensors (lengths, clamped block ids, written partitions, bad sequences) are built
+once. The plain case (no ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") issues about
+38 tensor ops per tile, 14 per call and 3 (one partition) to 16 per chunk for the reduce.
 
 Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included.
-Only a sequence's last partition mixes used and unused slots: there the logits of unused slots
-become -inf and their V is zeroed (0 * NaN would be NaN). Partitions wholly past the end are
-computed on whatever block 0 holds and then discarded (``torch.where``, never a multiply).
-Masking therefore touches one partition per sequence, not the whole gathered cache.
+Only the partition holding a sequence's last token mixes used and unused slots, so only it is
+masked: its logits are picked per sequence (``index_select``), set to -inf past the end and put
+back; of V, the block holding the last token is picked and zeroed past the end, the blocks after
+it in that partition are zeroed whole (``index_fill_``) and the picked block is put back (0 * NaN
+would be NaN). Partitions wholly past the end are computed on whatever their clamped block ids
+hold and then discarded (``torch.where`` / ``masked_fill``, never a multiply).
 
-Memory traffic (what the speed rests on). Each K and V byte is read by the gather, written once
-in the matmul layout and read once by the matmul; the float32 logits take a handful of passes
-(bmm, max, add-and-exp with the scale folded in, sum, the rounded probabilities), about
-``4 * G / head_size`` of the K+V bytes each.
+Memory traffic (what the speed rests on). The gather moves whole stored runs: where the matmuls
+take the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as 8-byte
+words and permuted, so K moves in its 16-byte ``x`` runs and V in whole block rows, never element
+by element; elsewhere the blocks are picked as stored (whole blocks) and permuted by the copy that
+converts them to float32. Each K and V byte is thus read by the gather, written once in the matmul
+layout and read once by the matmul (plus the float32 copy without ``mixed``). Masking touches one
+partition of logits and one block of V per sequence (plus the unused blocks after it). The float32
+logits take a few passes (bmm, max, scaled subtract, exp, sum, the rounded probabilities), each
+about ``2 * G / (head_size * element_size)`` of the K+V bytes (1/32 for fp16, G = 4, head 128).
 
 Matmul precision. Where ``torch.bmm`` takes ``out_dtype`` for the device (CUDA on recent torch)
 the gathered cache stays in its dtype and the products accumulate and come out in float32;
@@ -37,15 +50,16 @@ elsewhere (CPU, older torch such as the BI-V100's 2.1) K, V and the probabilitie
 float32 first. Both give float32 logits and float32 accumulation of exactly the rounded p.
 
 Peak extra memory. A tile's working set (gathered K and V, their float32 copies where needed,
-fp8 lookup indices, float32 logits and weights, rounded probabilities) is estimated per token
-(``_bytes_per_token``) and kept under ``MAX_TILE_BYTES`` (256 MiB); a tile never shrinks below one
-partition of one sequence, so the bound is ``max(MAX_TILE_BYTES, 512 * bytes_per_token)``, plus
-float32 partition results ``[chunk_seqs, num_heads, max_num_partitions, head_size + 2]`` per chunk
-(about ``4 * G / (512 * element_size)`` of that chunk's gathered V bytes).
+fp8 lookup indices, float32 logits and the picked boundary partition, rounded probabilities) is
+estimated per token (``_bytes_per_token``) and kept under ``MAX_TILE_BYTES`` (512 MiB: a 1 GB
+K+V row runs in 3 tiles); a tile never shrinks below one partition of one sequence, so the bound
+is ``max(MAX_TILE_BYTES, 512 * bytes_per_token)``, plus per chunk the float32 partition results
+and the reduce's temporaries (about ``8 * G / (512 * element_size)`` of that chunk's gathered V
+bytes), plus the per-call index tensors; ``peak_extra_bytes(call)`` adds these up.
 
 Bad tables (documented decision). A sequence whose used block-table entries leave
 ``[0, num_blocks)``, whose seq_len needs more columns than ``block_tables`` has, or whose seq_len is
-negative or > max_seq_len is never read or written out of bounds (indices are clamped): its
+negative or > max_seq_len is never read or written out of bounds (block ids are clamped): its
 ``out`` and its written partition entries become NaN. ``validate_tables=True`` (the backend's
 option, ``BIV100_PATCH_VALIDATE=1``) raises ``ValueError`` for these before anything is written.
 
@@ -56,11 +70,12 @@ No host synchronisation: sizes come from ``max_seq_len`` and the tensors' shapes
 import math
 
 import torch
+import torch.nn.functional as F
 
 from . import fp8
 from .contract import PARTITION_SIZE
 
-MAX_TILE_BYTES = 256 * 1024 * 1024
+MAX_TILE_BYTES = 512 * 1024 * 1024
 FLT_MAX = 3.4028234663852886e38  # vLLM's logit for tokens a block-sparse head skips
 _MIXED_BMM = {}
 
@@ -91,30 +106,37 @@ def _bmm32(a, b, mixed):
 def _bytes_per_token(call, mixed):
     """Upper bound of a tile's working set per cached token of one sequence (all heads)."""
     elem = call.query.element_size()
+    fp8_cache = call.kv_cache_dtype != "auto"
     if mixed:  # K and V gathered in the query dtype; fp8: V's bits and int32 lookup indices meanwhile
-        per_dim = 2 * elem + (5 if call.kv_cache_dtype != "auto" else 0)
-    else:      # K and V in float32, plus the picked blocks (fp8: also their permuted bits and indices)
-        per_dim = 2 * 4 + (6 if call.kv_cache_dtype != "auto" else elem)
-    per_head = 4 + 4 + elem + (0 if mixed else 4)            # q.k, exp, rounded p (and its float32 copy)
+        per_dim = 2 * elem + (5 if fp8_cache else 0)
+    else:      # K and V in float32, plus V's picked blocks (fp8: its bits and lookup indices)
+        per_dim = 2 * 4 + (5 if fp8_cache else elem)
+    per_head = 4 + 4 + elem + (0 if mixed else 4)  # q.k (exp in place), boundary partition, p (and float32 p)
     if call.alibi_slopes is not None or call.blocksparse is not None or call.scale <= 0:
-        per_head += 8 + 1                                    # scaled logits, ALiBi term, block-sparse mask
+        per_head += 8 + 1                           # scaled logits, ALiBi term, block-sparse mask
     return call.num_kv_heads * call.head_size * per_dim + call.num_heads * per_head + 16
 
 
-def _partition_overhead(call):
-    """Per-partition bytes of a tile besides its tokens: the query copy and float32 partition outputs."""
-    return call.num_heads * call.head_size * (call.query.element_size() + 4 + 4) + 64
+def _partition_overhead(call, mixed):
+    """Per-partition bytes of a tile besides its tokens: the query copy, float32 partition outputs and
+    statistics, and (per sequence, so bounded per partition) V's picked boundary block."""
+    query_bytes = call.query.element_size() if mixed else 4
+    return (call.num_heads * (call.head_size * (query_bytes + 4) + 8)
+            + call.num_kv_heads * call.head_size * call.block_size * 4 + 64)
+
+
+def _columns(call):
+    """Block-table columns per partition: 512 tokens' worth, or for a single partition max_seq_len's."""
+    if call.max_num_partitions > 1:
+        return PARTITION_SIZE // call.block_size
+    return (call.max_seq_len + call.block_size - 1) // call.block_size
 
 
 def _plan(call, mixed):
     """(columns per partition, chunk of sequences, partitions per tile, bytes one tile may use)."""
     partitions = call.max_num_partitions
-    block_size = call.block_size
-    if partitions > 1:
-        columns = PARTITION_SIZE // block_size
-    else:  # a single partition only needs max_seq_len tokens
-        columns = (call.max_seq_len + block_size - 1) // block_size
-    per_partition = columns * block_size * _bytes_per_token(call, mixed) + _partition_overhead(call)
+    columns = _columns(call)
+    per_partition = columns * call.block_size * _bytes_per_token(call, mixed) + _partition_overhead(call, mixed)
     per_sequence = per_partition * partitions
     if per_sequence <= MAX_TILE_BYTES:
         chunk = min(max(call.num_seqs, 1), MAX_TILE_BYTES // per_sequence)
@@ -125,25 +147,16 @@ def _plan(call, mixed):
 
 def peak_extra_bytes(call):
     """Upper bound of the memory ``forward(call)`` allocates besides its arguments (a tile, a chunk's
-    partition results, per-call index tensors)."""
+    partition results and reduce temporaries, per-call index tensors)."""
     mixed = _bmm_float32_out(call.query.device, call.query.dtype)
-    _, chunk, _, tile_bytes = _plan(call, mixed)
+    columns, chunk, _, tile_bytes = _plan(call, mixed)
     heads, partitions, head_size = call.num_heads, max(call.max_num_partitions, 1), call.head_size
-    chunk_bytes = chunk * heads * (partitions * (head_size * (4 + call.query.element_size()) + 16) + head_size * 8)
-    call_bytes = call.num_seqs * (call.block_tables.shape[1] * 20 + 64) + 4096
+    # results (head_size + 2 floats) and as much again in temporaries per partition; two [head_size] sums
+    chunk_bytes = chunk * heads * (partitions * (head_size * 8 + 24) + head_size * 8)
+    table_columns = call.block_tables.shape[1]
+    call_bytes = (call.num_seqs * (table_columns * 20 + partitions * (columns * 4 + 2) + 64)
+                  + 8 * (table_columns + partitions + columns * call.block_size) + 4096)
     return tile_bytes + chunk_bytes + call_bytes
-
-
-def _bad_sequences(call, lens):
-    """bool [num_seqs]: sequences whose table or length would read out of bounds (see module docstring)."""
-    used_blocks = (lens.clamp(min=0) + call.block_size - 1) // call.block_size
-    columns = call.block_tables.shape[1]
-    bad = (lens < 0) | (lens > call.max_seq_len) | (used_blocks > columns)
-    if columns:
-        tables = call.block_tables.long()
-        used = torch.arange(columns, device=lens.device)[None, :] < used_blocks[:, None]
-        bad |= (used & ((tables < 0) | (tables >= call.num_blocks))).any(dim=1)
-    return bad
 
 
 def _caches(call):
@@ -153,21 +166,30 @@ def _caches(call):
     return call.key_cache.view(torch.uint8), call.value_cache.view(torch.uint8)
 
 
-# Cache block [kv_heads, D/x, block, x] / [kv_heads, D, block] -> [kv_heads, block, D/x, x] / [kv_heads, block, D].
-_KEY_ORDER, _VALUE_ORDER = (1, 0, 3, 2, 4), (1, 0, 3, 2)
+# Cache block [kv_heads, D/x, block, x] -> [kv_heads, block, D/x, x]: K's tokens by head_size.
+_KEY_ORDER = (1, 0, 3, 2, 4)
+# Cache block [kv_heads, D, block] -> [D, kv_heads, block]: V^T, blocks side by side along the tokens.
+_VALUE_ORDER = (2, 1, 0, 3)
 
 
-def _gather(cache, order, blocks, mixed, dtype):
-    """``cache[blocks]`` in the matmul layout ``[kv_heads, len(blocks), block_size, ...]``, contiguous.
+def _as_words(cache):
+    """``cache`` with its innermost dimension read as 8-byte words where its strides allow, else as is.
 
-    With ``mixed`` (CUDA) one index_select reads the permuted cache directly. Elsewhere the blocks
-    are picked as stored and permuted by the copy that also converts them to ``dtype`` (CPU
-    index_select would first copy a permuted cache whole).
+    K's innermost run is 16 bytes and V's a whole block row, so a gather of words moves them in
+    8-byte pieces instead of element by element.
     """
-    if mixed:
-        return torch.index_select(cache.permute(order), 1, blocks).to(dtype)
-    picked = torch.index_select(cache, 0, blocks).permute(order)
-    return torch.empty(picked.shape, dtype=dtype, device=picked.device).copy_(picked)
+    try:
+        return cache.view(torch.int64)
+    except RuntimeError:
+        return cache
+
+
+def _gather(cache, order, blocks, dtype, fp8_table):
+    """``cache[blocks]`` permuted by ``order`` (blocks along dimension ``order.index(0)``) as a contiguous
+    ``dtype`` tensor: one index_select on the permuted cache, in words, then (where needed) one
+    conversion or, for fp8 bits, one lookup in ``fp8_table`` (vLLM's decoded, scaled, rounded values)."""
+    picked = torch.index_select(_as_words(cache).permute(order), order.index(0), blocks).view(cache.dtype)
+    return picked.to(dtype) if fp8_table is None else fp8.lookup(fp8_table, picked)
 
 
 def _head_offsets(call, device):
@@ -182,155 +204,193 @@ def _head_offsets(call, device):
     return offsets.view(call.num_kv_heads, 1, 1, call.queries_per_kv, 1)
 
 
-def _tile(call, caches, tables, lens, seqs, parts, columns, mixed, scaled_tables):
+class _CallIndex:
+    """Index tensors shared by all tiles of a call.
+
+    lens [seqs] int64; block_ids [seqs, partitions * columns] (clamped into [0, num_blocks));
+    last_block [seqs] (table column of the last token, -1 for seq_len 0); written [seqs, partitions]
+    (v2 writes these partitions); bad [seqs]; numbers: 0, 1, 2, ... int64, as long as the longest
+    index range (sequences, tokens of a partition, table columns), sliced for each.
+    """
+
+    __slots__ = ("lens", "block_ids", "last_block", "written", "bad", "numbers")
+
+
+def _index(call, columns):
+    """The call's ``_CallIndex`` (see module docstring for what makes a sequence bad)."""
+    device = call.query.device
+    partitions, block_size = call.max_num_partitions, call.block_size
+    tables = call.block_tables
+    table_columns = tables.shape[1]
+    index = _CallIndex()
+    lens = index.lens = call.seq_lens.long()
+    last_block = index.last_block = torch.div(lens - 1, block_size, rounding_mode="floor")
+    index.written = torch.arange(0, partitions * columns, max(columns, 1), device=device) <= last_block[:, None]
+    numbers = index.numbers = torch.arange(max(call.num_seqs, columns * block_size, table_columns), device=device)
+
+    # Negative, over max_seq_len, or needing more blocks than the table has columns.
+    bad = lens.clamp(0, min(call.max_seq_len, table_columns * block_size)) != lens
+    if call.num_blocks == 0:  # nothing can be read; every sequence that needs a block is bad
+        index.bad, index.block_ids = bad | (lens != 0), None
+        return index
+    block_ids = tables.clamp(0, call.num_blocks - 1)
+    index.bad = bad | ((block_ids != tables) & (numbers[:table_columns] <= last_block[:, None])).any(dim=1)
+    needed = partitions * columns  # tiles read whole partitions; missing columns are never used
+    index.block_ids = block_ids[:, :needed] if table_columns >= needed else F.pad(block_ids,
+                                                                                  (0, needed - table_columns))
+    return index
+
+
+def _tile(call, caches, index, seqs, parts, columns, mixed, scaled_tables):
     """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``.
 
-    Returns tensors shaped [chunk, num_heads, tile_partitions] (x head_size for the output).
+    Returns tensors shaped [kv_heads, chunk, tile_partitions, group] (x head_size for the output).
     """
     device = call.query.device
     kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
-    block_size, num_blocks = call.block_size, call.num_blocks
+    block_size = call.block_size
     num_seqs, num_parts = seqs.stop - seqs.start, parts.stop - parts.start
     width = columns * block_size  # tokens per partition in this call
+    tile_columns = num_parts * columns
+    batch = kv_heads * num_seqs * num_parts
     key_cache, value_cache = caches
 
-    # Block ids of the tile; unused and out-of-range entries read block 0 (masked or discarded later).
-    cols = torch.arange(parts.start * columns, parts.stop * columns, device=device)
-    seq_lens = lens[seqs]
-    used = cols[None, :] < ((seq_lens.clamp(min=0) + block_size - 1) // block_size)[:, None]
-    if tables.shape[1]:
-        entries = tables[seqs][:, cols.clamp(max=tables.shape[1] - 1)]
-        used &= (cols < tables.shape[1])[None, :] & (entries >= 0) & (entries < num_blocks)
-        blocks = torch.where(used, entries, 0).reshape(-1)
-    else:
-        blocks = torch.zeros(num_seqs * cols.numel(), dtype=torch.long, device=device)
+    blocks = index.block_ids[seqs, parts.start * columns:parts.stop * columns].reshape(-1)
+    dtype = call.query.dtype if mixed else torch.float32  # float32 where bmm cannot take half inputs
+    key_table, value_table = scaled_tables
+    keys = _gather(key_cache, _KEY_ORDER, blocks, dtype, key_table)
+    values = _gather(value_cache, _VALUE_ORDER, blocks, dtype, value_table)
+    values = values.view(head_size, kv_heads, num_seqs * tile_columns, block_size)
 
-    shape = (kv_heads, num_seqs, num_parts, width, head_size)
-    if scaled_tables is None:  # float32 where the matmuls cannot take half inputs with float32 output
-        dtype = call.query.dtype if mixed else torch.float32
-        keys = _gather(key_cache, _KEY_ORDER, blocks, mixed, dtype).view(shape)
-        values = _gather(value_cache, _VALUE_ORDER, blocks, mixed, dtype).view(shape)
-    else:  # fp8: one lookup decodes and applies vLLM's scale and rounding
-        keys = fp8.lookup(scaled_tables[0], _gather(key_cache, _KEY_ORDER, blocks, mixed, torch.uint8)).view(shape)
-        values = fp8.lookup(scaled_tables[1], _gather(value_cache, _VALUE_ORDER, blocks, mixed, torch.uint8))
-        values = values.view(shape)
+    # The boundary: the tile's block holding each sequence's last token, clamped into the tile (a tile
+    # wholly past the end masks everything, one wholly before it nothing). Positions are tile-local.
+    seq_ids, lens = index.numbers[:num_seqs], index.lens[seqs]
+    last_block = index.last_block[seqs].clamp(parts.start * columns, parts.stop * columns - 1)
+    last_part = torch.div(last_block, columns, rounding_mode="floor")
+    valid = torch.sub(lens, last_part, alpha=width)     # tokens of that partition in the sequence
+    past_end = index.numbers[:width] >= valid[:, None]  # [seqs, width]
+    part_pos = torch.add(last_part - parts.start, seq_ids, alpha=num_parts)
+    block_in_part = last_block % columns
+    block_pos = torch.add(block_in_part, part_pos, alpha=columns)
+    slot_past_end = index.numbers[:block_size] >= torch.sub(valid, block_in_part, alpha=block_size)[:, None]
+    blocks_from_last = torch.add(torch.maximum(index.numbers[:columns], block_in_part[:, None]),
+                                 part_pos[:, None], alpha=columns).view(-1)
 
-    # Only each sequence's last partition mixes used and unused slots (partitions wholly past the end
-    # are discarded by the caller), so masking that one partition per sequence is enough.
-    last = ((seq_lens.clamp(min=1) + PARTITION_SIZE - 1) // PARTITION_SIZE - 1 - parts.start).clamp(0, num_parts - 1)
-    rows = torch.arange(num_seqs, device=device)
-    last_valid = ((parts.start + last)[:, None] * width + torch.arange(width, device=device)) < seq_lens[:, None]
-    values[:, rows, last] = torch.where(last_valid[None, :, :, None], values[:, rows, last], 0)  # 0 * NaN is NaN
+    boundary_values = values.index_select(2, block_pos).masked_fill_(slot_past_end, 0)  # 0 * NaN is NaN
+    values.index_fill_(2, blocks_from_last, 0)
+    values.index_copy_(2, block_pos, boundary_values)
 
-    query = call.query[seqs].unflatten(1, (kv_heads, group)).permute(1, 0, 2, 3)   # [kv, seqs, G, D]
-    query = query[:, :, None].expand(kv_heads, num_seqs, num_parts, group, head_size)
-    batch = kv_heads * num_seqs * num_parts
-    logits = _bmm32(query.reshape(batch, group, head_size),
-                    keys.reshape(batch, width, head_size).transpose(1, 2), mixed)
-    logits = logits.view(kv_heads, num_seqs, num_parts, group, width)              # q.k, float32
+    query = call.query[seqs].unflatten(1, (kv_heads, group)).transpose(0, 1)[:, :, None]
+    query = query.expand(kv_heads, num_seqs, num_parts, group, head_size).to(dtype).reshape(batch, group, head_size)
+    logits = _bmm32(query, keys.view(batch, width, head_size).transpose(1, 2), mixed)
+    logits = logits.view(kv_heads, num_seqs, num_parts, group, width)  # q.k, float32
     scale, keep = call.scale, None
     if call.alibi_slopes is not None or call.blocksparse is not None or scale <= 0:
-        logits, scale = logits * scale, 1.0                                        # explicit logits
+        logits, scale = logits * scale, 1.0                              # explicit logits
         tokens = (torch.arange(parts.start, parts.stop, device=device)[:, None] * width
-                  + torch.arange(width, device=device)[None, :])                   # [parts, width]
+                  + torch.arange(width, device=device)[None, :])         # [parts, width]
         if call.alibi_slopes is not None:
-            position = (tokens[None] - seq_lens[:, None, None] + 1).float()[None, :, :, None, :]
+            position = (tokens[None] - lens[:, None, None] + 1).float()[None, :, :, None, :]
             logits += call.alibi_slopes.view(kv_heads, 1, 1, group, 1) * position
         if call.blocksparse is not None:
             sparse = call.blocksparse
             key_blocks = ((tokens // block_size) * block_size // sparse.block_size)[None, None, :, None, :]
-            query_blocks = ((seq_lens - 1) // sparse.block_size)[None, :, None, None, None]
+            query_blocks = ((lens - 1) // sparse.block_size)[None, :, None, None, None]
             keep = ((key_blocks + _head_offsets(call, device)) % sparse.vert_stride == 0) \
                 | (key_blocks > query_blocks - sparse.local_blocks)
             logits = torch.where(keep, logits, -FLT_MAX)
-    logits[:, rows, last] = torch.where(last_valid[None, :, None, :], logits[:, rows, last], -math.inf)
+    by_part = logits.view(kv_heads, num_seqs * num_parts, group, width)
+    by_part.index_copy_(1, part_pos, by_part.index_select(1, part_pos).masked_fill_(past_end[:, None], -math.inf))
 
     # Otherwise the scale is folded in: max(scale * qk) = scale * max(qk) for scale > 0, and
-    # exp(scale * qk - max) is one add and one exp over the tile.
-    top = logits.amax(dim=-1) * scale
-    weights = torch.add(-top[..., None], logits, alpha=scale).exp_()
+    # exp(scale * qk - max) is one add and one exp over the tile, both in place.
+    top = logits.amax(dim=-1).mul_(scale)
+    weights = torch.add(-top[..., None], logits, alpha=scale, out=logits).exp_()
     total = weights.sum(dim=-1)
     probs = torch.empty(weights.shape, dtype=call.query.dtype, device=device)
-    torch.mul(weights, (1.0 / (total + 1e-6))[..., None], out=probs)               # vLLM rounds p to the query dtype
+    torch.mul(weights, (total + 1e-6).reciprocal_()[..., None], out=probs)  # vLLM rounds p to the query dtype
     if keep is not None:  # skipped tokens count in the sum but their V is never read
         probs.masked_fill_(~keep, 0)
-    outputs = _bmm32(probs.view(batch, group, width), values.reshape(batch, width, head_size), mixed)
+    outputs = _bmm32(probs.view(batch, group, width), values.view(head_size, batch, width).permute(1, 2, 0), mixed)
+    return top, total, outputs.view(kv_heads, num_seqs, num_parts, group, head_size)
 
-    def by_head(tensor):  # [kv, seqs, parts, G, ...] -> [seqs, heads, parts, ...]
-        tensor = tensor.permute(1, 0, 3, 2, *range(4, tensor.dim()))
-        return tensor.reshape(num_seqs, kv_heads * group, num_parts, *tensor.shape[4:])
 
-    return by_head(top), by_head(total), by_head(outputs.view(kv_heads, num_seqs, num_parts, group, head_size))
+def _by_kv_head(tensor, kv_heads):
+    """[seqs, heads, partitions, ...] -> its [kv_heads, seqs, partitions, group, ...] view (the tiles' order)."""
+    tensor = tensor.unflatten(1, (kv_heads, -1))
+    return tensor.permute(1, 0, 3, 2, *range(4, tensor.dim()))
+
+
+def _reduce(call, index, seqs, top, total, outputs):
+    """Write one chunk's partition results (``_tile``'s layout): v2's per-partition outputs, then ``out``."""
+    kv_heads, partitions = call.num_kv_heads, call.max_num_partitions
+    written = index.written[seqs]
+    seq_written, seq_bad = written[:, :, None], index.bad[seqs][:, None, None]  # against [kv, seqs, parts, G]
+    if call.is_v2:
+        top.masked_fill_(seq_bad, math.nan), total.masked_fill_(seq_bad, math.nan)
+        outputs.masked_fill_(seq_bad[..., None], math.nan)
+        for buffer, values in ((call.max_logits, top), (call.exp_sums, total), (call.tmp_out, outputs)):
+            region = _by_kv_head(buffer[seqs, :, :partitions], kv_heads)
+            mask = seq_written if values.dim() == 4 else seq_written[..., None]
+            region.copy_(torch.where(mask, values, region))  # tmp_out: rounded to the query dtype
+        outputs.copy_(_by_kv_head(call.tmp_out[seqs, :, :partitions], kv_heads))  # vLLM's reduce reads tmp_out
+
+    if partitions == 1:  # a single partition is copied
+        reduced = torch.where(written[:, :1, None], outputs[:, :, 0], 0.0)
+    else:  # vLLM's reduce: w_p = exp_sum_p * exp(max_p - max), out = sum_p out_p * w_p / (sum_p w_p + 1e-6)
+        best = torch.where(seq_written, top, -math.inf).amax(dim=2, keepdim=True)
+        rescaled = torch.where(seq_written, total * torch.exp(top - best), 0.0)
+        rescaled.mul_((rescaled.sum(dim=2, keepdim=True) + 1e-6).reciprocal_())
+        # One written partition: weight exactly 1 (copied); none (seq_len 0): 0. Unwritten ones may hold NaN.
+        weights = torch.where(written[:, 1, None, None], rescaled, seq_written)
+        reduced = outputs.masked_fill_(~seq_written[..., None], 0.0).mul_(weights[..., None]).sum(dim=2)
+    call.out[seqs].unflatten(1, (kv_heads, -1)).transpose(0, 1).copy_(torch.where(seq_bad, math.nan, reduced))
+
+
+def _write_unread(call, index):
+    """The outputs of a call that can read nothing (no partitions or no blocks): zeros, NaN for bad sequences."""
+    call.out.copy_(torch.where(index.bad[:, None, None], math.nan, 0.0).expand(call.out.shape))
+    if call.is_v2:
+        bad_written = (index.written & index.bad[:, None])[:, None, :]
+        for buffer in (call.max_logits, call.exp_sums, call.tmp_out):
+            region = buffer[:, :, :call.max_num_partitions]
+            mask = bad_written if buffer.dim() == 3 else bad_written[..., None]
+            region.copy_(torch.where(mask, math.nan, region))
 
 
 def forward(call):
     """Run one validated decode call (``contract.DecodeCall``), writing its outputs in place."""
-    device = call.query.device
-    num_seqs, num_heads, head_size = call.num_seqs, call.num_heads, call.head_size
-    partitions = call.max_num_partitions
+    num_seqs, partitions = call.num_seqs, call.max_num_partitions
     if num_seqs == 0:
         return
-    lens = call.seq_lens.long()
-    bad = _bad_sequences(call, lens)
-    parts_used = ((lens.clamp(min=0) + PARTITION_SIZE - 1) // PARTITION_SIZE).clamp(max=partitions)
-
     if partitions == 0 or call.num_blocks == 0:  # nothing can be read: zeros, NaN for bad sequences
-        call.out.copy_(torch.where(bad[:, None, None], math.nan, 0.0).expand(call.out.shape))
-        if call.is_v2:
-            for buffer in (call.max_logits, call.exp_sums, call.tmp_out):
-                written = (torch.arange(partitions, device=device)[None, :] < parts_used[:, None])
-                mask = (written & bad[:, None]).view(num_seqs, 1, partitions, *([1] * (buffer.dim() - 3)))
-                region = buffer[:, :, :partitions]
-                region.copy_(torch.where(mask, math.nan, region))
+        _write_unread(call, _index(call, _columns(call)))
         return
-
     compute_dtype = call.query.dtype
-    mixed = _bmm_float32_out(device, compute_dtype)
-    scaled_tables = None
+    mixed = _bmm_float32_out(call.query.device, compute_dtype)
+    columns, chunk, tile_parts, _ = _plan(call, mixed)
+    index = _index(call, columns)
+
+    scaled_tables = (None, None)
     if call.kv_cache_dtype != "auto":
         # Where the matmuls upcast anyway, decode straight to float32 (rounded to the query dtype first).
         table_dtype = compute_dtype if mixed else torch.float32
-        scaled_tables = tuple(fp8.scaled_table(call.kv_cache_dtype, scale, compute_dtype, device).to(table_dtype)
-                              for scale in (call.k_scale, call.v_scale))
-    columns, chunk, tile_parts, _ = _plan(call, mixed)
+        scaled_tables = tuple(fp8.scaled_table(call.kv_cache_dtype, scale, compute_dtype, call.query.device)
+                              .to(table_dtype) for scale in (call.k_scale, call.v_scale))
     caches = _caches(call)
-    tables = call.block_tables.long()
-    part_ids = torch.arange(partitions, device=device)
-
+    kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
     for start in range(0, num_seqs, chunk):
         seqs = slice(start, min(start + chunk, num_seqs))
-        count = seqs.stop - seqs.start
-        tops = torch.empty(count, num_heads, partitions, device=device)
-        totals = torch.empty_like(tops)
-        outs = torch.empty(count, num_heads, partitions, head_size, device=device)
-        for first in range(0, partitions, tile_parts):
-            parts = slice(first, min(first + tile_parts, partitions))
-            tops[:, :, parts], totals[:, :, parts], outs[:, :, parts] = _tile(
-                call, caches, tables, lens, seqs, parts, columns, mixed, scaled_tables)
-
-        written = (part_ids[None, :] < parts_used[seqs, None])[:, None, :]         # [seqs, 1, parts]
-        seq_bad = bad[seqs].view(count, 1, 1)
-        tops.masked_fill_(seq_bad, math.nan)
-        totals.masked_fill_(seq_bad, math.nan)
-        outs.masked_fill_(seq_bad[..., None], math.nan)
-        if call.is_v2:
-            for buffer, values in ((call.max_logits, tops), (call.exp_sums, totals)):
-                region = buffer[seqs, :, :partitions]
-                region.copy_(torch.where(written, values, region))
-            region = call.tmp_out[seqs, :, :partitions]
-            rounded = outs.to(call.tmp_out.dtype)
-            region.copy_(torch.where(written[..., None], rounded, region, out=rounded))
-            outs.copy_(rounded)  # vLLM's reduce reads tmp_out in the query dtype
-            del rounded
-
-        # vLLM's reduce: w_p = exp_sum_p * exp(max_p - max), out = sum_p out_p * w_p / (sum_p w_p + 1e-6).
-        best = torch.where(written, tops, -math.inf).amax(dim=-1, keepdim=True)
-        rescaled = torch.where(written, totals * torch.exp(tops - best), 0.0)
-        inverse = 1.0 / (rescaled.sum(dim=-1, keepdim=True) + 1e-6)
-        first_partition = outs[:, :, 0].clone()
-        outs.masked_fill_(~written[..., None], 0.0)  # unwritten partitions may hold NaN
-        reduced = outs.mul_((rescaled * inverse)[..., None]).sum(dim=2)
-        single = (parts_used[seqs] == 1).view(count, 1, 1)
-        reduced = torch.where(single, first_partition, reduced)
-        reduced = torch.where(seq_bad, math.nan, reduced)
-        call.out[seqs].copy_(reduced)
+        if tile_parts >= partitions:
+            results = _tile(call, caches, index, seqs, slice(0, partitions), columns, mixed, scaled_tables)
+        else:  # one sequence longer than a tile: its partitions in runs
+            stats_shape = (kv_heads, 1, partitions, group)
+            results = (torch.empty(stats_shape, device=call.query.device),
+                       torch.empty(stats_shape, device=call.query.device),
+                       torch.empty(*stats_shape, head_size, device=call.query.device))
+            for first in range(0, partitions, tile_parts):
+                parts = slice(first, min(first + tile_parts, partitions))
+                for result, tile_result in zip(results, _tile(call, caches, index, seqs, parts, columns, mixed,
+                                                               scaled_tables)):
+                    result[:, :, parts] = tile_result
+        _reduce(call, index, seqs, *results)

@@ -310,6 +310,41 @@ def test_peak_extra_memory_does_not_grow_with_the_input():
     assert growth <= 1 << 20, (growth, bound)  # allocator slack only
 
 
+def _profiled_peak_bytes(function):
+    """Peak of the running total of CPU tensor memory allocated while ``function`` runs, at op granularity
+    (torch.profiler's memory events: each op's net allocation, and frees outside ops)."""
+    from torch.profiler import profile
+    with profile(profile_memory=True) as prof:
+        function()
+    level = peak = 0
+    for event in sorted(prof.events(), key=lambda event: event.time_range.start):
+        level += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype,seq_lens,alibi,tile_bytes", [
+    (torch.float16, "auto", [700, 3, 1600], False, None),                 # one tile
+    (torch.bfloat16, "fp8_e4m3", [700, 3, 1600], True, None),             # fp8 lookups, explicit logits
+    (torch.float32, "auto", [1, 513, 1600, 40, 0], True, 1),              # one-partition tiles
+    (torch.float16, "auto", [2048] * 4, False, 2 << 20),                  # chunks of sequences
+], ids=["fp16", "fp8-alibi", "partition-tiles", "sequence-chunks"])
+@pytest.mark.parametrize("version", golden.VERSIONS)
+def test_peak_extra_bytes_bounds_the_allocations(dtype, kv_cache_dtype, seq_lens, alibi, tile_bytes, version,
+                                                 monkeypatch):
+    if tile_bytes is not None:
+        monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES", tile_bytes)
+    inputs = golden.random_case(dtype, 128, 16, 8, 2, seq_lens, alibi=alibi, kv_cache_dtype=kv_cache_dtype,
+                                poison=True)
+    buffers = golden.nan_buffers(inputs, version, "cpu")
+    partition_buffers = {name: buffers[name] for name in ("exp_sums", "max_logits", "tmp_out") if name in buffers}
+    call = contract.check_call(buffers["out"], *golden.op_arguments(inputs), **partition_buffers)
+    bound = paged_attention_torch.peak_extra_bytes(call)
+    peak = _profiled_peak_bytes(lambda: paged_attention_torch.forward(call))
+    assert bound / 2 < peak <= bound, (peak, bound)  # a real bound, and not a loose one
+    golden.check_against_reference(buffers, golden.reference_for(inputs), golden.random_tolerance(inputs))
+
+
 @pytest.mark.gpu
 def test_peak_extra_memory_is_bounded_on_gpu(monkeypatch):
     monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES", 64 << 20)
