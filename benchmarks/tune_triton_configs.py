@@ -1,9 +1,10 @@
 """Sweep of Triton kernel configs on a GPU, behind the choices in kernels/configs.py.
 
-For six issue-7 rows it times our v1 entry point under every candidate config (tl.dot or float32 broadcast
+For seven issue-7 rows it times our v1 entry point under every candidate config (tl.dot or float32 broadcast
 products, the kernel's own prefetch or Triton's pipeliner, tokens per step, warps, stages), then the three
-best again under other split-KV settings. Prints each result and writes ``tune.json`` into ``--results-dir``
-(the H200 run: benchmarks/results/nvidia-h200/tune.json).
+best again under other split-KV settings. Prints each result and writes ``tune.json`` into ``--results-dir``.
+H200 records: benchmarks/results/nvidia-h200/tune.json (the kernel of fe209dd, the candidate list of then) and
+sweep.json (the current kernel: hand-picked configs and split settings timed by ``time_config`` below).
 
     python benchmarks/tune_triton_configs.py --results-dir DIR
 """
@@ -22,24 +23,26 @@ from biv100_patch.kernels.limits import DeviceLimits
 
 HEAD_SIZE, BLOCK_SIZE = 128, 16
 ROWS = [(torch.float16, 32, 8, 64, 8192), (torch.float16, 32, 8, 1, 32768), (torch.float16, 32, 32, 32, 8192),
-        (torch.bfloat16, 64, 8, 64, 8192), (torch.float16, 32, 8, 256, 2048), (torch.float16, 32, 8, 8, 2048)]
+        (torch.bfloat16, 64, 8, 64, 8192), (torch.float16, 32, 8, 256, 2048), (torch.float16, 32, 8, 8, 2048),
+        (torch.float16, 32, 32, 1, 32768)]
 SPLIT_SETTINGS = ((2, 512), (8, 256), (16, 256), (32, 128))  # (programs per SM, min tokens per split)
 MOST_TILE_VALUES_PER_THREAD = 256  # broadcast tiles beyond this spill registers
 
 
 def candidates(group):
-    """Configs worth timing for ``group`` query heads per kv head."""
-    rows = triton.next_power_of_2(group)
-    found = [configs.KernelConfig(block_n, max(configs.MIN_DOT_ROWS, rows), warps, stages, True, prefetch)
-             for block_n, warps, stages, prefetch in ((16, 2, 1, True), (16, 4, 1, True), (32, 4, 1, True),
-                                                      (64, 4, 1, True), (16, 4, 3, False), (32, 4, 3, False),
-                                                      (64, 4, 3, False), (64, 8, 3, False))]
-    for heads_block in sorted({rows, 1}):
-        for block_n, warps, stages, prefetch in ((16, 2, 1, True), (16, 4, 1, True), (32, 4, 1, True),
-                                                 (16, 4, 3, False), (32, 4, 3, False), (64, 4, 3, False),
-                                                 (64, 8, 3, False)):
+    """Configs worth timing for ``group`` query heads per kv head: tl.dot with 1-8 warps, the kernel's own
+    prefetch or Triton's pipeliner with 2-5 stages, 16-64 tokens per step; broadcast products likewise."""
+    rows = max(configs.MIN_DOT_ROWS, triton.next_power_of_2(group))
+    found = [configs.KernelConfig(block_n, rows, warps, stages, True, stages == 1)
+             for block_n, warps, stages in ((16, 1, 1), (16, 2, 1), (16, 4, 1), (32, 4, 1), (64, 4, 1),
+                                            (16, 1, 2), (16, 1, 3), (16, 1, 4), (16, 2, 3), (16, 2, 5),
+                                            (32, 1, 3), (32, 2, 3), (16, 4, 3), (16, 4, 5), (32, 4, 3),
+                                            (64, 4, 3), (64, 8, 3))]
+    for heads_block in sorted({triton.next_power_of_2(group), 1}):
+        for block_n, warps, stages in ((16, 1, 1), (16, 2, 1), (16, 4, 1), (32, 4, 1), (16, 1, 3), (16, 2, 3),
+                                       (16, 2, 4), (16, 4, 3), (32, 4, 3), (64, 4, 3), (64, 8, 3)):
             if heads_block * block_n * HEAD_SIZE // (warps * 32) <= MOST_TILE_VALUES_PER_THREAD:
-                found.append(configs.KernelConfig(block_n, heads_block, warps, stages, False, prefetch))
+                found.append(configs.KernelConfig(block_n, heads_block, warps, stages, False, stages == 1))
     return found
 
 
