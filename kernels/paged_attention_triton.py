@@ -13,9 +13,10 @@ the query rows of every query head sharing its kv head and walks its split's tok
 time through the block table, with 16-byte vector loads (masks per step and per 8 dims, never per
 token). Block ids are loaded a step ahead of their K and V, so the address of a step's loads never
 waits on a load of the same step (and Triton's pipeliner multi-buffers them); whole steps run without
-token masks, only the split's last, partial step masks its tokens. Scores and output come from ``tl.dot`` (G padded to >= 16 rows) or, for one query row, from
-float32 broadcast products (``USE_DOT``); the next step's loads are issued by the kernel itself or
-left to Triton's pipeliner (``PREFETCH``). An online softmax in float32 uses exp2 (log2(e) folded
+token masks, only the split's last, partial step masks its tokens. Scores and output come from
+``tl.dot`` (G padded to >= 16 rows) or, for one query row, from float32 broadcast products
+(``USE_DOT``); the next step's loads are issued by the kernel itself or left to Triton's pipeliner
+(``PREFETCH``). An online softmax in float32 uses exp2 (log2(e) folded
 into the scale). A split either is the whole sequence (writes ``out``) or a token range that
 writes its max logit, sum of exp and self-normalised output; ``_reduce_kernel`` combines the valid
 splits. v2 uses vLLM's 512-token partitions and buffers; v1 picks its own split from the SM count.
@@ -131,12 +132,10 @@ def _step_ids(table_row, stride_bt1, first, end, offs_n, BLOCK_SIZE: tl.constexp
 def _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0,
                key_slot_stride, stride_v0, stride_v2, stride_v3,
                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr):
-    """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] and the number
-    of out-of-range block ids met. ``ids`` come from ``_step_ids``; a scalar id keeps V's rows contiguous
-    (vector loads). Load masks are per step (a scalar) and per 8 dims only: a per-token mask would split
-    every vector load. Unused slots and bad ids read block 0 (in bounds); their logits are masked by the caller."""
-    tokens = first + offs_n
-    token_ok = tokens < end
+    """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] and the
+    number of out-of-range block ids met. ``ids`` come from ``_step_ids``; a scalar id keeps V's rows
+    contiguous (vector loads). Load masks are per step (a scalar) and per 8 dims only: a per-token mask would
+    split every vector load. Unused slots and bad ids read block 0 (in bounds); the caller masks them."""
     step_ok = (first < end) & (num_blocks > 0)
     if BLOCK_N == BLOCK_SIZE:
         block_bad = (first < end) & ((ids < 0) | (ids >= num_blocks))
@@ -145,7 +144,8 @@ def _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims
         key_ptrs = key_head + safe_id * stride_k0 + key_dims[:, None] + offs_n[None, :] * key_slot_stride
         value_ptrs = value_head + safe_id * stride_v0 + offs_n[:, None] * stride_v3 + dims[None, :] * stride_v2
     else:  # a step spans several cache blocks (block_size 8) or part of one (a smaller tile)
-        ids_bad = token_ok & ((ids < 0) | (ids >= num_blocks))
+        tokens = first + offs_n
+        ids_bad = (tokens < end) & ((ids < 0) | (ids >= num_blocks))
         bad = tl.sum(ids_bad.to(tl.int32), axis=0)
         safe_ids = tl.where(ids_bad, 0, ids).to(tl.int64)
         slots = tokens % BLOCK_SIZE

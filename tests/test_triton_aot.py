@@ -95,9 +95,9 @@ compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GP
                           options=options)
 loads = collections.Counter(re.findall(r"ld\.global[\w.]*", compiled.asm["ptx"]))
 # The pipeliner's K/V buffers ([stages, ...] shared allocations) and how many copies a wait may leave in flight.
-loads["buffers"] = max([int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", compiled.asm["ttgir"])]
-                       or [0])
-loads["in_flight"] = max([int(n) for n in re.findall(r"async_wait .*num = (\d+)", compiled.asm["ttgir"])] or [0])
+ttgir = compiled.asm["ttgir"]
+loads["buffers"] = max([int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", ttgir)] or [0])
+loads["in_flight"] = max([int(n) for n in re.findall(r"async_wait .*num = (\d+)", ttgir)] or [0])
 print(json.dumps(loads))
 """
 
