@@ -327,7 +327,8 @@ def _reduce(call, index, seqs, top, total, outputs):
     written = index.written[seqs]
     seq_written, seq_bad = written[:, :, None], index.bad[seqs][:, None, None]  # against [kv, seqs, parts, G]
     if call.is_v2:
-        top.masked_fill_(seq_bad, math.nan), total.masked_fill_(seq_bad, math.nan)
+        top.masked_fill_(seq_bad, math.nan)
+        total.masked_fill_(seq_bad, math.nan)
         outputs.masked_fill_(seq_bad[..., None], math.nan)
         for buffer, values in ((call.max_logits, top), (call.exp_sums, total), (call.tmp_out, outputs)):
             region = _by_kv_head(buffer[seqs, :, :partitions], kv_heads)
