@@ -33,9 +33,17 @@ PREFETCH_DOT_THREADS = 64   # per 16 query rows
 BROADCAST_THREADS = 64
 PIPELINE_CAPABILITY = (8, 0)
 PIPELINE_STAGES = (3, 2)  # most preferred first
-PROGRAMS_PER_SM = 4       # split-KV until the grid covers the SMs this many times
-MIN_TOKENS_PER_SPLIT = 512  # shorter splits measured slower (and cost a reduce launch)
+# Split-KV, from the H200 sweep of results/nvidia-h200/splits.json: a decode program is latency-bound (a
+# lone one takes ~1.2 us per step), so short or few sequences want many splits, down to 64 tokens
+# (1 x 2048: 63 -> 18 us); but the grid should stay within one wave of resident programs, about 8 per SM
+# for the chosen configs (64 x 8192 grouped: 2 splits 626 us, 4 splits 712 us; 32 x 2048: 3 splits 103 us,
+# 5 splits 121 us).
+PROGRAMS_PER_SM = 8
+MIN_TOKENS_PER_SPLIT = 64
 REDUCE_NUM_WARPS = 4
+REDUCE_TILE = 4096        # float32 values per reduce program and load
+REDUCE_MAX_SPLITS = 256
+MIN_REDUCE_DIMS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +128,12 @@ def choose_config(limits, head_size, block_size, query_dtype, kv_cache_dtype, qu
 
 
 def choose_splits(limits, programs, max_seq_len, block_n):
-    """v1's split-KV: ``(num_splits, tokens_per_split)``; one split when the grid already fills the device."""
-    # A grid smaller than the SM count (one long sequence) gets twice the programs per SM: on the H200 a
-    # 1 x 32768 MHA row went from 62% to 79% of copy (grouped heads: unchanged, capped by the split length).
-    per_sm = PROGRAMS_PER_SM if programs >= limits.multiprocessor_count else 2 * PROGRAMS_PER_SM
-    wanted = -(-limits.multiprocessor_count * per_sm // max(programs, 1))
+    """v1's split-KV: ``(num_splits, tokens_per_split)``. As many splits as one wave of resident programs
+    holds (a grid a little over one wave costs a second one), each at least ``MIN_TOKENS_PER_SPLIT`` long;
+    one split when the grid already fills the wave."""
+    wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     most = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
-    splits = max(1, min(wanted, most))
+    splits = max(1, min(wave // max(programs, 1), most, REDUCE_MAX_SPLITS))
     if splits == 1:
         return 1, max(max_seq_len, 1)
     tokens = -(-max_seq_len // splits)
@@ -134,7 +141,12 @@ def choose_splits(limits, programs, max_seq_len, block_n):
     return -(-max_seq_len // tokens), tokens
 
 
-def reduce_splits_block(num_splits, head_size):
-    """Splits the reduce kernel loads per step: at most 4096 float32 values per tile."""
+def reduce_tile(num_splits, head_size):
+    """The reduce kernel's tile: ``(splits_block, dims_block)``, splits per load (all of them up to
+    ``REDUCE_MAX_SPLITS``) by head dims per program, at most ``REDUCE_TILE`` float32 values. Its two
+    passes are then one round of loads each, not a chain of 4096-value tiles: on the H200 the chain made
+    256 splits cost more than they gained."""
     head_pad = _next_power_of_2(head_size)
-    return max(1, min(_next_power_of_2(num_splits), 4096 // head_pad))
+    splits_block = max(1, min(_next_power_of_2(num_splits), REDUCE_MAX_SPLITS))
+    dims_block = min(head_pad, max(MIN_REDUCE_DIMS, REDUCE_TILE // splits_block))
+    return splits_block, dims_block

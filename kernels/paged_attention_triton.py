@@ -361,19 +361,21 @@ def _reduce_kernel(
     exp_sums_ptr, stride_e0, stride_e1, stride_e2,
     max_logits_ptr, stride_m0, stride_m1, stride_m2,
     seq_lens_ptr, head_size, block_size, table_columns, max_seq_len, tokens_per_split, num_splits,
-    HEAD_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+    SPLITS_BLOCK: tl.constexpr, DIMS_BLOCK: tl.constexpr,
 ):
-    """Grid (num_seqs, num_heads): out = sum_p tmp_p * w_p / (sum_p w_p + 1e-6), w_p = exp_sum_p * exp(max_p - max),
-    over the splits that hold tokens only; a single split is copied. A split that met a bad block (NaN)
-    makes the head's out and all its written splits NaN."""
+    """Grid (num_seqs, num_heads, dim chunks of DIMS_BLOCK): out = sum_p tmp_p * w_p / (sum_p w_p + 1e-6),
+    w_p = exp_sum_p * exp(max_p - max), over the splits that hold tokens only; a single split is copied.
+    A split that met a bad block (NaN) makes the head's out and all its written splits NaN. SPLITS_BLOCK
+    splits per load (usually all of them): each pass is one round of loads, not a chain of them."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    dim_chunk = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     seq_bad = (seq_len < 0) | (seq_len > max_seq_len) | (seq_len > table_columns * block_size)
     used = tl.minimum((tl.where(seq_bad, 0, seq_len) + tokens_per_split - 1) // tokens_per_split, num_splits)
 
     splits = tl.arange(0, SPLITS_BLOCK)
-    dims = tl.arange(0, HEAD_PAD)
+    dims = dim_chunk * DIMS_BLOCK + tl.arange(0, DIMS_BLOCK)
     dim_ok = dims < head_size
     max_row = max_logits_ptr + seq * stride_m0 + head * stride_m1
     sum_row = exp_sums_ptr + seq * stride_e0 + head * stride_e1
@@ -388,8 +390,9 @@ def _reduce_kernel(
         global_max = tl.maximum(global_max, tl.where(part_max != part_max, float("-inf"), part_max))
     top = tl.max(global_max, axis=0)
     broken = seq_bad | (tl.sum(nan_splits, axis=0) > 0)
+    first_chunk = dim_chunk == 0  # one program per head marks the head's split statistics
 
-    acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+    acc = tl.zeros([DIMS_BLOCK], dtype=tl.float32)
     total = tl.zeros([SPLITS_BLOCK], dtype=tl.float32)
     for first in range(0, used, SPLITS_BLOCK):
         part = first + splits
@@ -404,9 +407,9 @@ def _reduce_kernel(
         total += weight
         # masked off (no traffic) unless broken
         tl.store(max_row + part * stride_m2, tl.zeros([SPLITS_BLOCK], dtype=tl.float32) + float("nan"),
-                 mask=part_ok & broken)
+                 mask=part_ok & broken & first_chunk)
         tl.store(sum_row + part * stride_e2, tl.zeros([SPLITS_BLOCK], dtype=tl.float32) + float("nan"),
-                 mask=part_ok & broken)
+                 mask=part_ok & broken & first_chunk)
         tl.store(tmp_row + part[:, None] * stride_t2 + dims[None, :] * stride_t3,
                  (part_out + float("nan")).to(tmp_ptr.dtype.element_ty), mask=part_ok[:, None] & dim_ok[None, :] & broken)
     denominator = tl.where(used == 1, 1.0, tl.sum(total, axis=0) + 1e-6)
@@ -417,31 +420,33 @@ def _reduce_kernel(
 
 
 class _Launcher:
-    """One kernel's launches. The first launch of a specialisation goes through Triton's JIT (compile or
-    cache); later ones call the compiled kernel's launcher directly (Triton >= 3), which skips re-binding
-    and re-specialising ~60 arguments: most of a decode call's host time. The caller's key must hold
-    everything Triton specialises on that can change between calls (strides, pointer alignment); the
-    per-call integers are ``do_not_specialize``. Triton 2.x and the interpreter always take the JIT path."""
+    """One kernel's launches. Pointer arguments come as raw addresses, their tensors beside them (in the
+    order of the kernel's ``*_ptr`` parameters). The first launch of a specialisation goes through
+    Triton's JIT (compile or cache) with the tensors put back; later ones call the compiled kernel's
+    launcher directly (Triton >= 3) with the addresses, which skips re-binding and re-specialising ~60
+    arguments and a driver pointer query per tensor: most of a decode call's host time. The caller's key
+    must hold everything Triton specialises on that can change between calls (strides, pointer
+    alignment); the per-call integers are ``do_not_specialize``. Triton 2.x and the interpreter always
+    take the JIT path."""
 
     def __init__(self, fn):
         self.fn = fn
+        self.pointer_positions = tuple(i for i, name in enumerate(fn.arg_names) if name.endswith("_ptr"))
         self.kernels = {}
 
-    def __call__(self, key, grid, device, args, make_constants):
+    def __call__(self, key, grid, device, args, tensors, make_constants):
         kernel = self.kernels.get(key)
         if kernel is not None:
-            # Raw addresses: the launcher then skips a data_ptr() call and a driver pointer query per tensor.
-            args = list(args)
-            for position in kernel.tensor_positions:
-                args[position] = args[position].data_ptr()
             kernel.run(grid[0], grid[1], grid[2], _current_stream(device.index), kernel.function,
                        kernel.packed_metadata, None, None, None, *args, *kernel.constexpr_tail)
             return
+        args = list(args)
+        for position, tensor in zip(self.pointer_positions, tensors):
+            args[position] = tensor
         constants = make_constants()
         kernel = self.fn[grid](*args, **constants)
         if _DIRECT_LAUNCH and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
             kernel.constexpr_tail = tuple(constants[name] for name in self.fn.arg_names[len(args):])
-            kernel.tensor_positions = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
             self.kernels[key] = kernel
 
 
@@ -555,14 +560,16 @@ def _plan(call, limits):
     return plan
 
 
-def _aligned(*tensors):
-    """Triton specialises pointers on 16-byte alignment: the launch key must too (one OR in the common case)."""
+def _addresses(tensors):
+    """Each tensor's address, and whether all are 16-byte aligned (else per tensor): Triton specialises
+    pointers on it, so the launch key must too."""
+    addresses = [tensor.data_ptr() for tensor in tensors]
     bits = 0
-    for tensor in tensors:
-        bits |= tensor.data_ptr()
+    for address in addresses:
+        bits |= address
     if bits & 15 == 0:
-        return True
-    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+        return addresses, True
+    return addresses, tuple(address % 16 == 0 for address in addresses)
 
 
 def _launch(call, plan):
@@ -601,15 +608,13 @@ def _launch(call, plan):
     alibi = call.alibi_slopes if call.alibi_slopes is not None else call.seq_lens
     block_tables, seq_lens = call.block_tables, call.seq_lens
     cache_strides = (query.stride(), key_cache.stride(), value_cache.stride(), block_tables.stride())
-    if partial:
-        aligned = _aligned(out, tmp, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens,
-                           alibi)
-    else:
-        aligned = _aligned(out, query, key_cache, value_cache, block_tables, seq_lens, alibi)
+    tensors = (out, tmp, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens, alibi)
+    addresses, aligned = _addresses(tensors)
+    out_at, tmp_at, sums_at, max_at, query_at, key_at, value_at, tables_at, lens_at, alibi_at = addresses
     tmp_strides, sum_strides, max_strides = split_strides
-    args = (out, *out_strides, tmp, *tmp_strides, exp_sums, *sum_strides, max_logits, *max_strides,
-            query, *cache_strides[0], key_cache, *cache_strides[1], value_cache, *cache_strides[2],
-            block_tables, *cache_strides[3], seq_lens, alibi, k_scale, v_scale, call.scale * LOG2E, call.head_size,
+    args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides,
+            query_at, *cache_strides[0], key_at, *cache_strides[1], value_at, *cache_strides[2],
+            tables_at, *cache_strides[3], lens_at, alibi_at, k_scale, v_scale, call.scale * LOG2E, call.head_size,
             call.queries_per_kv, plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len,
             tokens_per_split, num_splits, *sparse_args)
     value_strides = cache_strides[2]
@@ -620,14 +625,15 @@ def _launch(call, plan):
                   and key_strides[3] == call.x)
     grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
     _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
-               device, args, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
-                                          CONTIGUOUS_SLOTS=contiguous))
+               device, args, tensors, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
+                                                   CONTIGUOUS_SLOTS=contiguous))
     if partial:
-        splits_block = configs.reduce_splits_block(num_splits, call.head_size)
-        args = (out, *out_strides, tmp, *tmp_strides, exp_sums, *sum_strides, max_logits, *max_strides, seq_lens,
+        splits_block, dims_block = configs.reduce_tile(num_splits, call.head_size)
+        args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
                 call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,
                 num_splits)
-        _reduce((plan.token, out_strides, split_strides, _aligned(out, tmp, exp_sums, max_logits, seq_lens),
-                 splits_block), (call.num_seqs, call.num_heads, 1), device, args,
-                lambda: dict(HEAD_PAD=plan.constants["HEAD_PAD"], SPLITS_BLOCK=splits_block,
-                             num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))
+        reduce_aligned = aligned if aligned is True else aligned[:4] + aligned[8:9]
+        _reduce((plan.token, out_strides, split_strides, reduce_aligned, splits_block, dims_block),
+                (call.num_seqs, call.num_heads, plan.constants["HEAD_PAD"] // dims_block), device, args,
+                tensors[:4] + tensors[8:9], lambda: dict(SPLITS_BLOCK=splits_block, DIMS_BLOCK=dims_block,
+                                                         num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))

@@ -32,7 +32,7 @@ _UNIT_STRIDES = ("stride_o2", "stride_t3", "stride_e2", "stride_m2", "stride_q2"
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """``kernel`` is "attention" or "reduce"; ``config`` a ``configs.KernelConfig`` (attention) or
-    ``(splits_block, num_warps, scratch dtype)`` (reduce, whose ``block_size`` is 0: it does not depend on it)."""
+    ``(splits_block, dims_block, num_warps, scratch dtype)`` (reduce, whose ``block_size`` is 0: it does not depend on it)."""
 
     kernel: str
     head_size: int
@@ -61,11 +61,13 @@ def variant_list(limits):
                             picked.append(config)
                     found += [Variant("attention", head_size, block_size, _DTYPE_NAMES[dtype], kv_cache_dtype, c)
                               for c in picked]
-            # The reduce reads v2's tmp_out (query dtype) or v1's float32 scratch; its widest tile.
-            splits_block = configs.reduce_splits_block(1 << 30, head_size)
+            # The reduce reads v2's tmp_out (query dtype) or v1's float32 scratch; its tallest and its
+            # widest tile.
+            tiles = {configs.reduce_tile(1 << 30, head_size), configs.reduce_tile(1, head_size)}
             for scratch in sorted({_DTYPE_NAMES[dtype], "float32"}):
-                found.append(Variant("reduce", head_size, 0, _DTYPE_NAMES[dtype], "auto",
-                                     (splits_block, configs.REDUCE_NUM_WARPS, scratch)))
+                found += [Variant("reduce", head_size, 0, _DTYPE_NAMES[dtype], "auto",
+                                  (splits_block, dims_block, configs.REDUCE_NUM_WARPS, scratch))
+                          for splits_block, dims_block in sorted(tiles)]
     return found
 
 
@@ -107,7 +109,8 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
             "kernel": variant.kernel, "head_size": variant.head_size, "block_size": variant.block_size,
             "dtype": variant.dtype, "kv_cache_dtype": variant.kv_cache_dtype,
             "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config)
-            else {"splits_block": config[0], "num_warps": config[1], "scratch_dtype": config[2]},
+            else {"splits_block": config[0], "dims_block": config[1], "num_warps": config[2],
+                  "scratch_dtype": config[3]},
             "shared_bytes": shared, "ok": error is None, "error": error})
     return results
 
@@ -148,8 +151,8 @@ def _attention_source(kernels, variant):
 
 
 def _reduce_source(variant):
-    splits_block, num_warps, _ = variant.config
-    constants = dict(HEAD_PAD=configs._next_power_of_2(variant.head_size), SPLITS_BLOCK=splits_block)
+    splits_block, dims_block, num_warps, _ = variant.config
+    constants = dict(SPLITS_BLOCK=splits_block, DIMS_BLOCK=dims_block)
     return None, constants, dict(num_warps=num_warps, num_stages=1)
 
 
@@ -172,7 +175,7 @@ def _signature(fn, variant, constants):
         elif name in ("key_ptr", "value_ptr"):
             signature[name] = "*" + cache_type
         elif name == "tmp_ptr" and variant.kernel == "reduce":
-            signature[name] = "*" + _TRITON_TYPES[variant.config[2]]
+            signature[name] = "*" + _TRITON_TYPES[variant.config[3]]
         elif name.endswith("_ptr"):
             signature[name] = "*" + query_type
         elif name == "scale_log2":

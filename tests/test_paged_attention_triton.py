@@ -18,7 +18,8 @@ from tests.reference import fp8_bits_to_float64, reference_attention
 
 BACKEND = get_backend("triton")
 # Many SMs: v1 splits every sequence (split-KV and its reduce); 16 SMs x 48 KB: a BI-V100's figures.
-SPLITTING = get_backend("triton", limits=DeviceLimits(48 * 1024, 1024, 32, (7, 0)))
+SPLITTING_LIMITS = DeviceLimits(48 * 1024, 1024, 32, (7, 0))
+SPLITTING = get_backend("triton", limits=SPLITTING_LIMITS)
 BI_V100 = DeviceLimits(48 * 1024, 16, 64, (7, 0))
 
 
@@ -79,13 +80,46 @@ def test_split_kv_v1_matches_reference(dtype, block_size, device):
     golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
 
 
+def test_reduce_in_several_loads_and_dim_chunks(monkeypatch, device):
+    # A 2-split, 16-dim tile: the reduce loops over loads and splits a head's dims over programs;
+    # a broken sequence still turns its out and every split it wrote into NaN.
+    monkeypatch.setattr(configs, "REDUCE_MAX_SPLITS", 2)
+    monkeypatch.setattr(configs, "REDUCE_TILE", 32)
+    assert configs.reduce_tile(3, 64) == (2, 16)
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [1200, 1700, 40], alibi=True, poison=True)
+    ref = golden.reference_for(inputs)
+    golden.BAD_TABLE_BREAKERS[0](inputs)
+    for backend in (get_backend("triton"), get_backend("triton", limits=SPLITTING_LIMITS)):
+        for version in golden.VERSIONS:
+            outputs = golden.run_op(backend, inputs, version, device)
+            assert torch.isnan(outputs["out"][1]).all()
+            if version == "v2":
+                assert torch.isnan(outputs["max_logits"][1, :, :4]).all()
+                assert torch.isnan(outputs["exp_sums"][1, :, :4]).all()
+                assert torch.isnan(outputs["tmp_out"][1, :, :4]).all()
+            good = [0, 2]
+            golden.check_against_reference({k: v[good] for k, v in outputs.items()},
+                                           {k: v[good] for k, v in ref.items()}, golden.random_tolerance(inputs))
+
+
+def test_reduce_tile_covers_the_splits_in_one_load():
+    assert configs.reduce_tile(1, 128) == (1, 128)
+    assert configs.reduce_tile(64, 128) == (64, 64)
+    assert configs.reduce_tile(200, 80) == (256, 16)
+    assert configs.reduce_tile(10 ** 6, 256) == (configs.REDUCE_MAX_SPLITS, 16)
+
+
 def test_split_kv_is_planned_from_the_sm_count():
     few = DeviceLimits(48 * 1024, 16, 64, (7, 0))
     many = DeviceLimits(228 * 1024, 132, 32, (9, 0))
     assert configs.choose_splits(few, 64 * 8, 8192, 16) == (1, 8192)  # the grid already fills 16 SMs
     splits, tokens = configs.choose_splits(many, 8, 32768, 16)
-    assert splits * 8 >= 132 * 2 and splits * tokens >= 32768 > (splits - 1) * tokens and tokens % 16 == 0
-    assert configs.choose_splits(many, 8, 300, 16) == (1, 300)  # too short to split
+    assert splits * 8 <= 132 * configs.PROGRAMS_PER_SM < (splits + 1) * 8 * 2  # one wave, nearly full
+    assert splits * tokens >= 32768 > (splits - 1) * tokens and tokens % 16 == 0
+    assert configs.choose_splits(many, 64 * 8, 8192, 16) == (2, 4096)  # 1024 programs: within one wave
+    assert configs.choose_splits(many, 8, 512, 16) == (8, 64)  # short: split down to 64 tokens
+    assert configs.choose_splits(many, 8, 100, 16) == (1, 100)  # too short to split
+    assert configs.choose_splits(many, 1, 10 ** 6, 16)[0] == configs.REDUCE_MAX_SPLITS  # one reduce load
 
 
 def test_bi_v100_limits_pick_48kb_configs_with_one_warp_of_64():
