@@ -90,16 +90,17 @@ class PatchedOps:
         if self._fallback is self.primary:
             self.primary.forward(call)
             return
-        key = shape_key(call)
-        if key in self.routed:
-            self._fallback.forward(call)
-            return
+        if self.routed:  # the shape key costs microseconds per call: only once something was routed
+            key = shape_key(call)
+            if key in self.routed:
+                self._fallback.forward(call)
+                return
         try:
             self.primary.forward(call)
         except Exception as error:
             if _strict():
                 raise
-            self._route_to_torch(key, error).forward(call)
+            self._route_to_torch(shape_key(call), error).forward(call)
 
     def _route_to_torch(self, key, error):
         with self._lock:
