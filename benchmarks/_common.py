@@ -50,12 +50,24 @@ def _package_version(module_name):
 
 
 def _git_commit():
+    """The tree's commit: ``BIV100_BENCH_COMMIT`` where the sender of a copied tree knows it better than the
+    copy's git metadata, else ``git rev-parse`` (with ``+changes`` when tracked files differ from it)."""
+    if os.environ.get("BIV100_BENCH_COMMIT"):
+        return os.environ["BIV100_BENCH_COMMIT"]
     try:
         result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                                 text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    return result.stdout.strip() or None
+    commit = result.stdout.strip()
+    if not commit:
+        return None
+    try:
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return commit
+    return commit + "+changes" if changed else commit
 
 
 def environment(device):

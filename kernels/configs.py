@@ -40,6 +40,7 @@ PIPELINE_STAGES = (3, 2)  # most preferred first
 # 5 splits 121 us).
 PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 64
+MAX_SUBSPLITS = 8  # v2: a 512-token partition in 64-token sub-splits at most
 REDUCE_NUM_WARPS = 4
 REDUCE_TILE = 4096        # float32 values per reduce program and load
 REDUCE_MAX_SPLITS = 256
@@ -139,6 +140,18 @@ def choose_splits(limits, programs, max_seq_len, block_n):
     tokens = -(-max_seq_len // splits)
     tokens = -(-tokens // block_n) * block_n
     return -(-max_seq_len // tokens), tokens
+
+
+def choose_subsplits(limits, programs, partitions, partition_size, block_n):
+    """v2's sub-splits per vLLM partition (a power of 2): as many as one wave of resident programs holds,
+    each at least ``MIN_TOKENS_PER_SPLIT`` tokens and a whole number of steps; 1 where the partitions
+    alone fill the wave."""
+    wave = limits.multiprocessor_count * PROGRAMS_PER_SM
+    subs = 1
+    while (subs < MAX_SUBSPLITS and programs * partitions * subs * 2 <= wave and partition_size // (subs * 2) >= MIN_TOKENS_PER_SPLIT
+           and (partition_size // (subs * 2)) % block_n == 0):
+        subs *= 2
+    return subs
 
 
 def reduce_tile(num_splits, head_size):

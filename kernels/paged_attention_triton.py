@@ -419,6 +419,56 @@ def _reduce_kernel(
              result.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
+@triton.jit(do_not_specialize=["sub_tokens"])
+def _partition_kernel(
+    tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
+    exp_sums_ptr, stride_e0, stride_e1, stride_e2,
+    max_logits_ptr, stride_m0, stride_m1, stride_m2,
+    sub_tmp_ptr, stride_st0, stride_st1, stride_st2, stride_st3,
+    sub_sums_ptr, stride_se0, stride_se1, stride_se2,
+    sub_max_ptr, stride_sm0, stride_sm1, stride_sm2,
+    seq_lens_ptr, head_size, sub_tokens,
+    SUBS: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    """Grid (num_seqs, num_heads, partitions): v2's partition outputs (tmp_out, exp_sums, max_logits, as
+    vLLM's kernel defines them for its 512-token partition) from the SUBS sub-splits the attention kernel
+    wrote for it: max = max_s max_s, w_s = exp_sum_s * exp(max_s - max), exp_sum = sum_s w_s,
+    tmp_out = sum_s out_s * w_s / (exp_sum + 1e-6). Written where the partition holds tokens; a NaN
+    sub-split (bad block or sequence) makes the partition NaN."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + seq), 0)
+    written = part * SUBS * sub_tokens < seq_len
+    subs = part * SUBS + tl.arange(0, SUBS)
+    sub_ok = subs * sub_tokens < seq_len  # the sub-splits the attention kernel wrote
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < head_size
+
+    sub_max = tl.load(sub_max_ptr + seq * stride_sm0 + head * stride_sm1 + subs * stride_sm2, mask=sub_ok,
+                      other=float("-inf"))
+    sub_sum = tl.load(sub_sums_ptr + seq * stride_se0 + head * stride_se1 + subs * stride_se2, mask=sub_ok,
+                      other=0.0)
+    broken = tl.sum((sub_max != sub_max).to(tl.int32), axis=0) > 0
+    top = tl.max(tl.where(sub_max != sub_max, float("-inf"), sub_max), axis=0)
+    weight = tl.where(sub_ok, sub_sum * tl.math.exp2((sub_max - top) * 1.4426950408889634), 0.0)
+    sub_out = tl.load(sub_tmp_ptr + seq.to(tl.int64) * stride_st0 + head * stride_st1 + subs[:, None] * stride_st2
+                      + dims[None, :] * stride_st3, mask=sub_ok[:, None] & dim_ok[None, :], other=0.0)
+    total = tl.sum(weight, axis=0)
+    result = tl.sum(sub_out * weight[:, None], axis=0) / (total + 1e-6)
+    result = tl.where(broken, float("nan"), result)
+    tl.store(tmp_ptr + seq.to(tl.int64) * stride_t0 + head * stride_t1 + part * stride_t2 + dims * stride_t3,
+             result.to(tmp_ptr.dtype.element_ty), mask=dim_ok & written)
+    # The two statistics go out as one lane of a SUBS-wide store: Triton 3.0's interpreter ignores the mask
+    # of a scalar store.
+    lane = tl.arange(0, SUBS)
+    one_lane = (lane == 0) & written
+    tl.store(exp_sums_ptr + seq * stride_e0 + head * stride_e1 + part * stride_e2 + lane * 0,
+             tl.zeros([SUBS], dtype=tl.float32) + tl.where(broken, float("nan"), total), mask=one_lane)
+    tl.store(max_logits_ptr + seq * stride_m0 + head * stride_m1 + part * stride_m2 + lane * 0,
+             tl.zeros([SUBS], dtype=tl.float32) + tl.where(broken, float("nan"), top), mask=one_lane)
+
+
 class _Launcher:
     """One kernel's launches. Pointer arguments come as raw addresses, their tensors beside them (in the
     order of the kernel's ``*_ptr`` parameters). The first launch of a specialisation goes through
@@ -462,6 +512,7 @@ _DIRECT_LAUNCH = _direct_launch_available()
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _attention = _Launcher(_attention_kernel)
 _reduce = _Launcher(_reduce_kernel)
+_partition = _Launcher(_partition_kernel)
 
 
 def _scale_argument(value, device):
@@ -516,13 +567,19 @@ class _Plan:
     __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "splits", "scratch", "token")
 
     def splits_for(self, call):
-        """(num_splits, tokens_per_split): v2 has vLLM's 512-token partitions, v1 its own split-KV."""
+        """(num_splits, tokens_per_split, subs): v1 its own split-KV (``subs`` 1); v2 vLLM's 512-token
+        partitions, each cut into ``subs`` sub-splits where the grid is small (combined into the partition
+        outputs by ``_partition_kernel``)."""
         found = self.splits.get(call.max_seq_len)
         if found is None:
             if call.exp_sums is not None:
-                found = (max(call.max_num_partitions, 1), PARTITION_SIZE)
+                partitions = max(call.max_num_partitions, 1)
+                subs = configs.choose_subsplits(self.limits, self.programs, partitions, PARTITION_SIZE,
+                                                self.config.block_n)
+                found = (partitions * subs, PARTITION_SIZE // subs, subs)
             else:
-                found = configs.choose_splits(self.limits, self.programs, call.max_seq_len, self.config.block_n)
+                found = configs.choose_splits(self.limits, self.programs, call.max_seq_len,
+                                              self.config.block_n) + (1,)
             if len(self.splits) > 4096:  # one entry per max_seq_len seen: keep it bounded
                 self.splits.clear()
             self.splits[call.max_seq_len] = found
@@ -575,9 +632,9 @@ def _addresses(tensors):
 def _launch(call, plan):
     query, out, key_cache, value_cache = call.query, call.out, call.key_cache, call.value_cache
     device = query.device
-    num_splits, tokens_per_split = plan.splits_for(call)
+    num_splits, tokens_per_split, subs = plan.splits_for(call)
     out_strides = out.stride()
-    if call.exp_sums is not None:
+    if call.exp_sums is not None and subs == 1:
         partial = True
         tmp, exp_sums, max_logits = call.tmp_out, call.exp_sums, call.max_logits
         split_strides = (tmp.stride(), exp_sums.stride(), max_logits.stride())
@@ -627,13 +684,30 @@ def _launch(call, plan):
     _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
                device, args, tensors, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
                                                    CONTIGUOUS_SLOTS=contiguous))
+    if subs > 1:  # v2 from sub-splits: vLLM's partition outputs first, then the usual reduce over them
+        parts = (call.tmp_out, call.exp_sums, call.max_logits)
+        part_strides = tuple(buffer.stride() for buffer in parts)
+        part_addresses, part_aligned = _addresses(parts + (tmp, exp_sums, max_logits, seq_lens))
+        args = (part_addresses[0], *part_strides[0], part_addresses[1], *part_strides[1], part_addresses[2],
+                *part_strides[2], tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
+                call.head_size, tokens_per_split)
+        num_splits //= subs
+        _partition((plan.token, part_strides, split_strides, part_aligned, subs),
+                   (call.num_seqs, call.num_heads, num_splits), device, args,
+                   parts + (tmp, exp_sums, max_logits, seq_lens),
+                   lambda: dict(SUBS=subs, HEAD_PAD=plan.constants["HEAD_PAD"], num_warps=configs.REDUCE_NUM_WARPS,
+                                num_stages=1))
+        partial, (tmp, exp_sums, max_logits), split_strides = True, parts, part_strides
+        tokens_per_split = PARTITION_SIZE
     if partial:
         splits_block, dims_block = configs.reduce_tile(num_splits, call.head_size)
+        reduce_tensors = (out, tmp, exp_sums, max_logits, seq_lens)
+        (out_at, tmp_at, sums_at, max_at, lens_at), reduce_aligned = _addresses(reduce_tensors)
+        tmp_strides, sum_strides, max_strides = split_strides
         args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
                 call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,
                 num_splits)
-        reduce_aligned = aligned if aligned is True else aligned[:4] + aligned[8:9]
         _reduce((plan.token, out_strides, split_strides, reduce_aligned, splits_block, dims_block),
                 (call.num_seqs, call.num_heads, plan.constants["HEAD_PAD"] // dims_block), device, args,
-                tensors[:4] + tensors[8:9], lambda: dict(SPLITS_BLOCK=splits_block, DIMS_BLOCK=dims_block,
-                                                         num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))
+                reduce_tensors, lambda: dict(SPLITS_BLOCK=splits_block, DIMS_BLOCK=dims_block,
+                                             num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))

@@ -26,13 +26,13 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Strides Triton specialises to the constant 1 on vLLM's layouts (contiguous innermost dims).
 _UNIT_STRIDES = ("stride_o2", "stride_t3", "stride_e2", "stride_m2", "stride_q2", "stride_k4", "stride_v3",
-                 "stride_bt1")
+                 "stride_bt1", "stride_st3", "stride_se2", "stride_sm2")
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """``kernel`` is "attention" or "reduce"; ``config`` a ``configs.KernelConfig`` (attention) or
-    ``(splits_block, dims_block, num_warps, scratch dtype)`` (reduce, whose ``block_size`` is 0: it does not depend on it)."""
+    """``kernel`` is "attention", "reduce" or "partition"; ``config`` a ``configs.KernelConfig`` (attention),
+    ``(subs, num_warps)`` (partition) or ``(splits_block, dims_block, num_warps, scratch dtype)`` (reduce, whose ``block_size`` is 0: it does not depend on it)."""
 
     kernel: str
     head_size: int
@@ -68,6 +68,9 @@ def variant_list(limits):
                 found += [Variant("reduce", head_size, 0, _DTYPE_NAMES[dtype], "auto",
                                   (splits_block, dims_block, configs.REDUCE_NUM_WARPS, scratch))
                           for splits_block, dims_block in sorted(tiles)]
+            # v2's sub-split combine (writes tmp_out in the query dtype): its most sub-splits.
+            found.append(Variant("partition", head_size, 0, _DTYPE_NAMES[dtype], "auto",
+                                 (configs.MAX_SUBSPLITS, configs.REDUCE_NUM_WARPS)))
     return found
 
 
@@ -109,6 +112,7 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
             "kernel": variant.kernel, "head_size": variant.head_size, "block_size": variant.block_size,
             "dtype": variant.dtype, "kv_cache_dtype": variant.kv_cache_dtype,
             "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config)
+            else {"subs": config[0], "num_warps": config[1]} if variant.kernel == "partition"
             else {"splits_block": config[0], "dims_block": config[1], "num_warps": config[2],
                   "scratch_dtype": config[3]},
             "shared_bytes": shared, "ok": error is None, "error": error})
@@ -127,6 +131,11 @@ def _compile_one(variant, capability, warp_size):
 
         if variant.kernel == "attention":
             fn, constants, options = _attention_source(kernels, variant)
+        elif variant.kernel == "partition":
+            subs, num_warps = variant.config
+            fn = kernels._partition_kernel
+            constants = dict(SUBS=subs, HEAD_PAD=configs._next_power_of_2(variant.head_size))
+            options = dict(num_warps=num_warps, num_stages=1)
         else:
             fn, constants, options = _reduce_source(variant)
             fn = kernels._reduce_kernel
@@ -160,7 +169,8 @@ def _signature(fn, variant, constants):
     """Triton types for every argument, as a launch on vLLM's tensors would specialise them."""
     query_type = _TRITON_TYPES[variant.dtype]
     cache_type = "u8" if variant.kv_cache_dtype != "auto" else query_type
-    float32_pointers = {"exp_sums_ptr", "max_logits_ptr", "alibi_ptr", "k_scale", "v_scale"}
+    float32_pointers = {"exp_sums_ptr", "max_logits_ptr", "alibi_ptr", "k_scale", "v_scale", "sub_tmp_ptr",
+                        "sub_sums_ptr", "sub_max_ptr"}
     signature, constexprs = {}, dict(constants)
     for name in fn.arg_names:
         if name in constants:

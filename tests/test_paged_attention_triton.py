@@ -80,6 +80,25 @@ def test_split_kv_v1_matches_reference(dtype, block_size, device):
     golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
 
 
+@pytest.mark.parametrize("dtype,block_size,kv_cache_dtype", [(torch.float16, 16, "auto"), (torch.bfloat16, 8, "auto"),
+                                                              (torch.float32, 32, "fp8_e5m2")])
+def test_v2_sub_splits_match_reference(dtype, block_size, kv_cache_dtype, device):
+    # Many SMs: every 512-token partition is cut into sub-splits, combined into vLLM's partition outputs.
+    inputs = golden.random_case(dtype, 64, block_size, 4, 2, [1, 300, 1200, 0], alibi=True, poison=True,
+                                kv_cache_dtype=kv_cache_dtype)
+    outputs = golden.run_op(SPLITTING, inputs, "v2", device)
+    golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
+
+
+def test_v2_sub_splits_are_planned_from_the_wave():
+    many = DeviceLimits(228 * 1024, 132, 32, (9, 0))
+    assert configs.choose_subsplits(many, 8, 4, 512, 16) == 8       # 1 x 2048 grouped: 256 programs
+    assert configs.choose_subsplits(many, 8, 64, 512, 16) == 2      # 1 x 32768: 1024 programs
+    assert configs.choose_subsplits(many, 64, 16, 512, 16) == 1     # 8 x 8192: the partitions fill the wave
+    assert configs.choose_subsplits(many, 1, 1, 512, 32) == configs.MAX_SUBSPLITS
+    assert configs.choose_subsplits(BI_V100, 8, 4, 512, 16) == 4   # 16 SMs
+
+
 def test_reduce_in_several_loads_and_dim_chunks(monkeypatch, device):
     # A 2-split, 16-dim tile: the reduce loops over loads and splits a head's dims over programs;
     # a broken sequence still turns its out and every split it wrote into NaN.
