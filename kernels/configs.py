@@ -143,13 +143,17 @@ def choose_splits(limits, programs, max_seq_len, block_n):
 
 
 def choose_subsplits(limits, programs, partitions, partition_size, block_n):
-    """v2's sub-splits per vLLM partition (a power of 2): as many as one wave of resident programs holds,
-    each at least ``MIN_TOKENS_PER_SPLIT`` tokens and a whole number of steps; 1 where the partitions
-    alone fill the wave."""
+    """v2's sub-splits per vLLM partition (a power of 2). Only where the partitions give fewer programs than
+    there are SMs; then as many as one wave of resident programs holds, each at least
+    ``MIN_TOKENS_PER_SPLIT`` tokens and a whole number of steps. On the H200 (two bench runs of 2026-12-03)
+    they took grouped-query 1 x 2048 from 31 to 17 us and 1 x 8192 from 57 to 32 us, but grids of 256 and
+    more programs lost 3-9 us to the extra partition kernel (8 x 2048: 41 -> 47 us)."""
+    if programs * partitions >= limits.multiprocessor_count:
+        return 1
     wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     subs = 1
-    while (subs < MAX_SUBSPLITS and programs * partitions * subs * 2 <= wave and partition_size // (subs * 2) >= MIN_TOKENS_PER_SPLIT
-           and (partition_size // (subs * 2)) % block_n == 0):
+    while (subs < MAX_SUBSPLITS and programs * partitions * subs * 2 <= wave
+           and partition_size // (subs * 2) >= MIN_TOKENS_PER_SPLIT and (partition_size // (subs * 2)) % block_n == 0):
         subs *= 2
     return subs
 
