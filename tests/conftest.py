@@ -30,6 +30,9 @@ def device():
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA-like device")
+    skip_cpu_machine = pytest.mark.skip(reason="asserts a machine without a GPU")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if "cpu_machine" in item.keywords and HAS_CUDA:
+            item.add_marker(skip_cpu_machine)

@@ -41,6 +41,7 @@ def test_record_is_reused_while_the_fingerprint_matches(state):
     assert probe.load_decision()["created"] == refreshed["created"]
 
 
+@pytest.mark.cpu_machine
 def test_triton_forced_on_cpu_is_refused_without_the_interpreter(state, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("BIV100_PATCH_BACKEND", "triton")
@@ -172,6 +173,7 @@ def test_runtime_events_show_in_the_record(fake_gpu):
     assert events[1]["details"] == {"stage": "patch"} and events[0]["pid"] == os.getpid()
 
 
+@pytest.mark.cpu_machine
 def test_real_ladder_runs_a_real_triton_kernel_on_the_cpu_interpreter(monkeypatch):
     # The machinery end to end: step 1 here, detection and Triton's interpreter in the child.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
