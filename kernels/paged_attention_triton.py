@@ -19,7 +19,9 @@ token masks, only the split's last, partial step masks its tokens. Scores and ou
 (``PREFETCH``). An online softmax in float32 uses exp2 (log2(e) folded
 into the scale). A split either is the whole sequence (writes ``out``) or a token range that
 writes its max logit, sum of exp and self-normalised output; ``_reduce_kernel`` combines the valid
-splits. v2 uses vLLM's 512-token partitions and buffers; v1 picks its own split from the SM count.
+splits. v1 picks its own splits to fill one wave of resident programs; v2 uses vLLM's 512-token
+partitions and buffers, and where they leave SMs idle cuts each into sub-splits that
+``_partition_kernel`` combines into the partition outputs before the reduce.
 
 Language: only what Triton 2.3 has (``tl.math.exp2``, ``tl.static_range``, ``.to()``, plain ``range``).
 A sequence whose length exceeds ``max_seq_len`` or its block-table row, or that uses a block id
