@@ -619,16 +619,15 @@ def _plan(call, limits):
     return plan
 
 
-def _addresses(tensors):
-    """Each tensor's address, and whether all are 16-byte aligned (else per tensor): Triton specialises
-    pointers on it, so the launch key must too."""
-    addresses = [tensor.data_ptr() for tensor in tensors]
+def _alignment(addresses):
+    """True when every address is 16-byte aligned, else one flag per address: Triton specialises pointers
+    on it, so the launch key must too (one OR in the common case)."""
     bits = 0
     for address in addresses:
         bits |= address
     if bits & 15 == 0:
-        return addresses, True
-    return addresses, tuple(address % 16 == 0 for address in addresses)
+        return True
+    return tuple(address % 16 == 0 for address in addresses)
 
 
 def _launch(call, plan):
@@ -668,7 +667,8 @@ def _launch(call, plan):
     block_tables, seq_lens = call.block_tables, call.seq_lens
     cache_strides = (query.stride(), key_cache.stride(), value_cache.stride(), block_tables.stride())
     tensors = (out, tmp, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens, alibi)
-    addresses, aligned = _addresses(tensors)
+    addresses = [tensor.data_ptr() for tensor in tensors]
+    aligned = _alignment(addresses)
     out_at, tmp_at, sums_at, max_at, query_at, key_at, value_at, tables_at, lens_at, alibi_at = addresses
     tmp_strides, sum_strides, max_strides = split_strides
     args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides,
@@ -689,23 +689,23 @@ def _launch(call, plan):
     if subs > 1:  # v2 from sub-splits: vLLM's partition outputs first, then the usual reduce over them
         parts = (call.tmp_out, call.exp_sums, call.max_logits)
         part_strides = tuple(buffer.stride() for buffer in parts)
-        part_addresses, part_aligned = _addresses(parts + (tmp, exp_sums, max_logits, seq_lens))
-        args = (part_addresses[0], *part_strides[0], part_addresses[1], *part_strides[1], part_addresses[2],
-                *part_strides[2], tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
-                call.head_size, tokens_per_split)
+        part_at = [buffer.data_ptr() for buffer in parts]
+        args = (part_at[0], *part_strides[0], part_at[1], *part_strides[1], part_at[2], *part_strides[2],
+                tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at, call.head_size,
+                tokens_per_split)
         num_splits //= subs
-        _partition((plan.token, part_strides, split_strides, part_aligned, subs),
-                   (call.num_seqs, call.num_heads, num_splits), device, args,
+        _partition((plan.token, part_strides, split_strides, _alignment(part_at + [tmp_at, sums_at, max_at, lens_at]),
+                    subs), (call.num_seqs, call.num_heads, num_splits), device, args,
                    parts + (tmp, exp_sums, max_logits, seq_lens),
                    lambda: dict(SUBS=subs, HEAD_PAD=plan.constants["HEAD_PAD"], num_warps=configs.REDUCE_NUM_WARPS,
                                 num_stages=1))
         partial, (tmp, exp_sums, max_logits), split_strides = True, parts, part_strides
+        (tmp_at, sums_at, max_at), (tmp_strides, sum_strides, max_strides) = part_at, part_strides
         tokens_per_split = PARTITION_SIZE
     if partial:
         splits_block, dims_block = configs.reduce_tile(num_splits, call.head_size)
         reduce_tensors = (out, tmp, exp_sums, max_logits, seq_lens)
-        (out_at, tmp_at, sums_at, max_at, lens_at), reduce_aligned = _addresses(reduce_tensors)
-        tmp_strides, sum_strides, max_strides = split_strides
+        reduce_aligned = _alignment((out_at, tmp_at, sums_at, max_at, lens_at))
         args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
                 call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,
                 num_splits)
