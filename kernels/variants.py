@@ -32,7 +32,8 @@ _UNIT_STRIDES = ("stride_o2", "stride_t3", "stride_e2", "stride_m2", "stride_q2"
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """``kernel`` is "attention", "reduce" or "partition"; ``config`` a ``configs.KernelConfig`` (attention),
-    ``(subs, num_warps)`` (partition) or ``(splits_block, dims_block, num_warps, scratch dtype)`` (reduce, whose ``block_size`` is 0: it does not depend on it)."""
+    ``(subs, num_warps)`` (partition) or ``(splits_block, dims_block, num_warps, scratch dtype)`` (reduce).
+    Reduce and partition variants have ``block_size`` 0: they do not depend on it."""
 
     kernel: str
     head_size: int
@@ -132,10 +133,7 @@ def _compile_one(variant, capability, warp_size):
         if variant.kernel == "attention":
             fn, constants, options = _attention_source(kernels, variant)
         elif variant.kernel == "partition":
-            subs, num_warps = variant.config
-            fn = kernels._partition_kernel
-            constants = dict(SUBS=subs, HEAD_PAD=configs._next_power_of_2(variant.head_size))
-            options = dict(num_warps=num_warps, num_stages=1)
+            fn, constants, options = _partition_source(kernels, variant)
         else:
             fn, constants, options = _reduce_source(variant)
             fn = kernels._reduce_kernel
@@ -157,6 +155,12 @@ def _attention_source(kernels, variant):
                      HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, CONTIGUOUS_SLOTS=True,
                      USE_DOT=config.use_dot, PREFETCH=config.prefetch)
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _partition_source(kernels, variant):
+    subs, num_warps = variant.config
+    constants = dict(SUBS=subs, HEAD_PAD=configs._next_power_of_2(variant.head_size))
+    return kernels._partition_kernel, constants, dict(num_warps=num_warps, num_stages=1)
 
 
 def _reduce_source(variant):
