@@ -21,7 +21,9 @@ started=$SECONDS
 
 # Read from each release's imports on CPU torch 2.13 (see shared/notes/vllm-paged-attention.md).
 case $version in
-    0.6.3) packages=("triton==3.0.0" "numpy<2" transformers psutil msgspec pyyaml pyzmq "gguf==0.10.0" sentencepiece
+    # transformers pinned: 5.x imports PyPI's `kernels`, which this repository's kernels/ shadows wherever the
+    # checkout is on sys.path (pytest's rootdir, python -c here).
+    0.6.3) packages=("triton==3.0.0" "numpy<2" "transformers==4.46.3" psutil msgspec pyyaml pyzmq "gguf==0.10.0" sentencepiece
                      cloudpickle mistral_common py-cpuinfo aiohttp openai) ;;
     0.7.3) packages=(pydantic transformers cloudpickle psutil pyzmq msgspec pillow blake3 openai aiohttp requests
                      py-cpuinfo) ;;
