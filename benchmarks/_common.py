@@ -135,22 +135,32 @@ def few_calls_us(fn, device, calls):
     return 1e6 * statistics.median(times)
 
 
+HOST_ROUND_CALLS = 200  # calls per timed round: up to 3 kernels each stay under CUDA's ~1024 pending launches
+
+
 def host_call_us(fn, device, calls, rounds=5):
     """Host-side cost of one ``fn()`` call in microseconds: the Python call alone, no device wait.
 
-    ``rounds`` rounds of ``calls`` calls each are timed on the CPU clock; the device is synchronised once,
-    after the last round, outside the timer. Returns the median round's per-call time.
+    ``calls`` calls are timed on the CPU clock in rounds of at most ``HOST_ROUND_CALLS``, the device
+    synchronised between rounds outside the timer: once CUDA's launch queue is full a launch waits for
+    the GPU, and the timer would measure the kernels instead. Repeated ``rounds`` times; returns the
+    median per-call time.
     """
     for _ in range(min(20, calls)):
         fn()
     synchronize(device)
     per_call = []
     for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append((time.perf_counter() - start) / calls)
-    synchronize(device)
+        elapsed, left = 0.0, calls
+        while left > 0:
+            batch = min(left, HOST_ROUND_CALLS)
+            start = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            elapsed += time.perf_counter() - start
+            synchronize(device)
+            left -= batch
+        per_call.append(elapsed / calls)
     return 1e6 * statistics.median(per_call)
 
 
