@@ -48,7 +48,7 @@ class DecodeCall:
     __slots__ = ("out", "query", "key_cache", "value_cache", "num_kv_heads", "scale", "block_tables",
                  "seq_lens", "block_size", "max_seq_len", "alibi_slopes", "kv_cache_dtype", "k_scale",
                  "v_scale", "blocksparse", "exp_sums", "max_logits", "tmp_out",
-                 "num_seqs", "num_heads", "head_size", "num_blocks", "x", "max_num_partitions")
+                 "num_seqs", "num_heads", "head_size", "num_blocks", "x", "max_num_partitions", "device")
 
     def __init__(self, **fields):
         for name, value in fields.items():
@@ -215,7 +215,7 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
     call.kv_cache_dtype, call.k_scale, call.v_scale, call.blocksparse = cache_format, k_scale, v_scale, blocksparse
     call.exp_sums, call.max_logits, call.tmp_out = exp_sums, max_logits, tmp_out
     call.num_seqs, call.num_heads, call.head_size, call.num_blocks = num_seqs, num_heads, head_size, num_blocks
-    call.x, call.max_num_partitions = x, max_num_partitions
+    call.x, call.max_num_partitions, call.device = x, max_num_partitions, device
     return call
 
 

@@ -551,13 +551,12 @@ def make_forward(limits=None):
     def forward(call):
         if call.num_seqs == 0:
             return
-        query = call.query
-        key = (query.device, query.dtype, call.head_size, call.block_size, call.kv_cache_dtype, call.num_heads,
+        key = (call.device, call.query.dtype, call.head_size, call.block_size, call.kv_cache_dtype, call.num_heads,
                call.num_kv_heads, call.num_seqs, call.exp_sums is not None, call.alibi_slopes is not None,
                call.blocksparse is not None)
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = _plan(call, limits_for(query.device))
+            plan = plans[key] = _plan(call, limits_for(call.device))
         _launch(call, plan)
 
     return forward
@@ -566,7 +565,8 @@ def make_forward(limits=None):
 class _Plan:
     """Everything about a launch that depends only on the call's shapes (cached per shape)."""
 
-    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "splits", "scratch", "token")
+    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "splits", "scratch", "token",
+                 "dense_args")
 
     def splits_for(self, call):
         """(num_splits, tokens_per_split, subs): v1 its own split-KV (``subs`` 1); v2 vLLM's 512-token
@@ -592,7 +592,7 @@ class _Plan:
         found = self.scratch.get(num_splits)
         if found is None:
             shape = (call.num_seqs, call.num_heads, num_splits)
-            device = call.query.device
+            device = call.device
             found = (torch.empty(shape + (call.head_size,), dtype=torch.float32, device=device),
                      torch.empty(shape, dtype=torch.float32, device=device),
                      torch.empty(shape, dtype=torch.float32, device=device))
@@ -611,6 +611,7 @@ def _plan(call, limits):
     plan.splits = {}
     plan.scratch = {}
     plan.token = object()  # identifies this plan in the launchers' keys
+    plan.dense_args = (0, call.num_heads, call.num_kv_heads, 0, 1, 1, 0)  # the sparsity arguments of a dense call
     plan.constants = dict(
         HEADS_BLOCK=config.heads_block, HEAD_PAD=triton.next_power_of_2(call.head_size), BLOCK_SIZE=call.block_size,
         BLOCK_N=config.block_n, X=call.x, KV_FORMAT=FP8_FORMATS[call.kv_cache_dtype],
@@ -630,9 +631,16 @@ def _alignment(addresses):
     return tuple(address % 16 == 0 for address in addresses)
 
 
+def _contiguous_slots(call, key_strides, value_strides):
+    """vLLM's layout (block slots innermost in V, X apart in K, blocks a multiple of block_size apart), which
+    allows vector hints. Decided when a specialisation is compiled: the strides are in the launch key."""
+    return (value_strides[3] == 1 and value_strides[0] % call.block_size == 0 and key_strides[4] == 1
+            and key_strides[3] == call.x)
+
+
 def _launch(call, plan):
     query, out, key_cache, value_cache = call.query, call.out, call.key_cache, call.value_cache
-    device = query.device
+    device = call.device
     num_splits, tokens_per_split, subs = plan.splits_for(call)
     out_strides = out.stride()
     if call.exp_sums is not None and subs == 1:
@@ -662,30 +670,30 @@ def _launch(call, plan):
         sparse_args = (sparse.tp_rank, call.num_heads, call.num_kv_heads, sparse.local_blocks, sparse.vert_stride,
                        sparse.block_size, sparse.head_sliding_step)
     else:
-        sparse_args = (0, call.num_heads, call.num_kv_heads, 0, 1, 1, 0)
+        sparse_args = plan.dense_args
     alibi = call.alibi_slopes if call.alibi_slopes is not None else call.seq_lens
     block_tables, seq_lens = call.block_tables, call.seq_lens
     cache_strides = (query.stride(), key_cache.stride(), value_cache.stride(), block_tables.stride())
     tensors = (out, tmp, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens, alibi)
-    addresses = [tensor.data_ptr() for tensor in tensors]
-    aligned = _alignment(addresses)
-    out_at, tmp_at, sums_at, max_at, query_at, key_at, value_at, tables_at, lens_at, alibi_at = addresses
+    out_at, lens_at = out.data_ptr(), seq_lens.data_ptr()
+    if partial:
+        tmp_at, sums_at, max_at = tmp.data_ptr(), exp_sums.data_ptr(), max_logits.data_ptr()
+    else:
+        tmp_at = sums_at = max_at = out_at
+    alibi_at = lens_at if call.alibi_slopes is None else alibi.data_ptr()
+    query_at, key_at, value_at, tables_at = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                             block_tables.data_ptr())
+    aligned = _alignment((out_at, tmp_at, sums_at, max_at, query_at, key_at, value_at, tables_at, lens_at, alibi_at))
     tmp_strides, sum_strides, max_strides = split_strides
     args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides,
             query_at, *cache_strides[0], key_at, *cache_strides[1], value_at, *cache_strides[2],
             tables_at, *cache_strides[3], lens_at, alibi_at, k_scale, v_scale, call.scale * LOG2E, call.head_size,
             call.queries_per_kv, plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len,
             tokens_per_split, num_splits, *sparse_args)
-    value_strides = cache_strides[2]
-    # vLLM's layout (block slots innermost in V, X apart in K, blocks a multiple of block_size apart) allows
-    # vector hints.
-    key_strides = cache_strides[1]
-    contiguous = (value_strides[3] == 1 and value_strides[0] % call.block_size == 0 and key_strides[4] == 1
-                  and key_strides[3] == call.x)
     grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
     _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
                device, args, tensors, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
-                                                   CONTIGUOUS_SLOTS=contiguous))
+                                                   CONTIGUOUS_SLOTS=_contiguous_slots(call, *cache_strides[1:3])))
     if subs > 1:  # v2 from sub-splits: vLLM's partition outputs first, then the usual reduce over them
         parts = (call.tmp_out, call.exp_sums, call.max_logits)
         part_strides = tuple(buffer.stride() for buffer in parts)
