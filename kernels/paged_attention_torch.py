@@ -30,15 +30,15 @@ Masking. Slots past a sequence's end and blocks it does not use may hold anythin
 Only the partition holding a sequence's last token mixes used and unused slots, so only it is
 masked: its logits are picked per sequence (``index_select``), set to -inf past the end and put
 back; of V, the block holding the last token is picked and zeroed past the end, the blocks after
-it in that partition are zeroed whole (``index_fill_``) and the picked block is put back (0 * NaN
-would be NaN). Partitions wholly past the end are computed on whatever their clamped block ids
+it in that partition are zeroed whole (``index_fill_``, in words) and the picked block is put back
+(0 * NaN would be NaN). Partitions wholly past the end are computed on whatever their clamped block ids
 hold and then discarded (``torch.where`` / ``masked_fill``, never a multiply).
 
 Memory traffic (what the speed rests on). The gather moves whole stored runs: where the matmuls
-take the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as 8-byte
-words and permuted, so K moves in its 16-byte ``x`` runs and V in whole block rows, never element
-by element; elsewhere the blocks are picked as stored (whole blocks) and permuted by the copy that
-converts them to float32. Each K and V byte is thus read by the gather, written once in the matmul
+take the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as words and
+permuted: K in 16-byte words (its ``x`` runs; complex128 where the device copies those bit-exactly),
+V in 8-byte ones (pieces of its block rows), never element by element; elsewhere the
+blocks are picked as stored (whole blocks) and permuted by the copy that converts them to float32. Each K and V byte is thus read by the gather, written once in the matmul
 layout and read once by the matmul (plus the float32 copy without ``mixed``). Masking touches one
 partition of logits and one block of V per sequence (plus the unused blocks after it). The float32
 logits take a few passes (bmm, max, scaled subtract, exp, sum, the rounded probabilities), each
@@ -76,6 +76,7 @@ from . import fp8
 from .contract import PARTITION_SIZE
 
 MAX_TILE_BYTES = 512 * 1024 * 1024
+MAX_RESULT_BYTES = 64 * 1024 * 1024  # partition results of the sequences reduced together
 FLT_MAX = 3.4028234663852886e38  # vLLM's logit for tokens a block-sparse head skips
 _MIXED_BMM = {}
 
@@ -145,16 +146,31 @@ def _plan(call, mixed):
     return columns, 1, tile_parts, tile_parts * per_partition
 
 
+def _reduce_group(call, chunk, tile_parts):
+    """Sequences whose partition results are reduced together: whole chunks (one sequence where a sequence
+    spans several tiles), as many as ``MAX_RESULT_BYTES`` of results hold. Fewer reduces: each is a
+    dozen small tensor ops, and on a slow host those cost more than the tile's matmuls."""
+    if tile_parts < call.max_num_partitions:
+        return 1
+    per_chunk = chunk * call.num_heads * call.max_num_partitions * (call.head_size + 2) * 4
+    return min(chunk * max(1, MAX_RESULT_BYTES // per_chunk), call.num_seqs)
+
+
 def peak_extra_bytes(call):
     """Upper bound of the memory ``forward(call)`` allocates besides its arguments (a tile, a chunk's
     partition results and reduce temporaries, per-call index tensors)."""
     mixed = _bmm_float32_out(call.query.device, call.query.dtype)
-    columns, chunk, _, tile_bytes = _plan(call, mixed)
+    columns, chunk, tile_parts, tile_bytes = _plan(call, mixed)
     heads, partitions, head_size = call.num_heads, max(call.max_num_partitions, 1), call.head_size
-    # results (head_size + 2 floats) and as much again in temporaries per partition; two [head_size] sums
-    chunk_bytes = chunk * heads * (partitions * (head_size * 8 + 24) + head_size * 8)
+    # per reduced sequence: results (head_size + 2 floats) and as much again in temporaries per partition,
+    # two [head_size] sums; plus one tile's results before they are copied into the group's
+    reduced = _reduce_group(call, chunk, tile_parts)
+    chunk_bytes = (reduced * heads * (partitions * (head_size * 8 + 24) + head_size * 8)
+                   + chunk * heads * partitions * (head_size + 2) * 4)
     table_columns = call.block_tables.shape[1]
-    call_bytes = (call.num_seqs * (table_columns * 20 + partitions * (columns * 4 + 2) + 64)
+    # index tensors, the boundary (past_end, slot masks, blocks_from_last) and the query in the matmul dtype
+    call_bytes = (call.num_seqs * (table_columns * 20 + partitions * (columns * 4 + 2) + 64
+                                   + columns * (call.block_size + 8) + call.block_size + heads * head_size * 4)
                   + 8 * (table_columns + partitions + columns * call.block_size) + 4096)
     return tile_bytes + chunk_bytes + call_bytes
 
@@ -172,23 +188,60 @@ _KEY_ORDER = (1, 0, 3, 2, 4)
 _VALUE_ORDER = (2, 1, 0, 3)
 
 
-def _as_words(cache):
-    """``cache`` with its innermost dimension read as 8-byte words where its strides allow, else as is.
-
-    K's innermost run is 16 bytes and V's a whole block row, so a gather of words moves them in
-    8-byte pieces instead of element by element.
-    """
-    try:
-        return cache.view(torch.int64)
-    except RuntimeError:
-        return cache
+_WORD_DTYPES = {}
 
 
-def _gather(cache, order, blocks, dtype, fp8_table):
+def _word_dtype(device):
+    """The widest dtype whose gathers and fills move bits unchanged on ``device``: complex128 (16 bytes,
+    one of K's ``x`` runs), else int64. Checked once per device on random bits, float NaN patterns
+    included (a copy through float registers could change them)."""
+    found = _WORD_DTYPES.get(device)
+    if found is None:
+        found = torch.int64
+        bits = torch.randint(0, 256, (64, 3, 32), dtype=torch.uint8, device=device)
+        bits[::2, :, 8:16] = 0xFF  # all-ones float64 words: NaN with every payload bit set
+        order = torch.randperm(64, device=device)
+        try:
+            words = bits.view(torch.complex128).permute(1, 0, 2)
+            picked = torch.index_select(words, 1, order).view(torch.uint8)
+            filled = picked.clone()
+            filled.view(torch.complex128).index_fill_(1, order[:5], 0)
+            expected = bits.permute(1, 0, 2)[:, order]
+            cleared = expected.clone()
+            cleared[:, order[:5]] = 0
+            if torch.equal(picked, expected) and torch.equal(filled, cleared):
+                found = torch.complex128
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+        _WORD_DTYPES[device] = found
+    return found
+
+
+def _as_words(tensor, word_bytes):
+    """``tensor`` with its innermost dimension read as ``word_bytes``-byte words (16: where the device copies
+    complex128 bit-exactly, else 8) where its strides allow, else as is: a gather (or fill) then moves
+    whole runs instead of single elements."""
+    for dtype in ((_word_dtype(tensor.device), torch.int64) if word_bytes == 16 else (torch.int64,)):
+        try:
+            return tensor.view(dtype)
+        except RuntimeError:
+            pass
+    return tensor
+
+
+# Gather word sizes, measured on the H200 (1 GiB of fp16 K or V, block 16): K's 16-byte x runs gather in
+# 588 us as 16-byte words, 847 us as 8-byte ones; V's 32-byte block rows in 823 us as 8-byte words, 880 us
+# as 16-byte ones (a 1 GiB copy: 501 us).
+_KEY_WORD_BYTES = 16
+_VALUE_WORD_BYTES = 8
+
+
+def _gather(cache, order, word_bytes, blocks, dtype, fp8_table):
     """``cache[blocks]`` permuted by ``order`` (blocks along dimension ``order.index(0)``) as a contiguous
     ``dtype`` tensor: one index_select on the permuted cache, in words, then (where needed) one
     conversion or, for fp8 bits, one lookup in ``fp8_table`` (vLLM's decoded, scaled, rounded values)."""
-    picked = torch.index_select(_as_words(cache).permute(order), order.index(0), blocks).view(cache.dtype)
+    picked = torch.index_select(_as_words(cache, word_bytes).permute(order), order.index(0), blocks)
+    picked = picked.view(cache.dtype)
     return picked.to(dtype) if fp8_table is None else fp8.lookup(fp8_table, picked)
 
 
@@ -241,8 +294,47 @@ def _index(call, columns):
     return index
 
 
-def _tile(call, caches, index, seqs, parts, columns, mixed, scaled_tables):
-    """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``.
+class _Boundary:
+    """Where each sequence's last token lies in a tile, as tile-local positions: ``past_end`` [seqs, width]
+    (its partition's tokens past the end), ``part_pos`` and ``block_pos`` [seqs] (that partition and its
+    block among the tile's), ``slot_past_end`` [seqs, block_size] (that block's slots past the end),
+    ``blocks_from_last`` [seqs, columns] (that block and the ones after it in the partition)."""
+
+    __slots__ = ("past_end", "part_pos", "block_pos", "slot_past_end", "blocks_from_last", "first")
+
+    def rows(self, seqs):
+        """The tensors for the tile of ``seqs`` (all of them where the boundary was made for that tile)."""
+        rows = slice(seqs.start - self.first, seqs.stop - self.first)
+        return (self.past_end[rows], self.part_pos[rows], self.block_pos[rows], self.slot_past_end[rows],
+                self.blocks_from_last[rows].reshape(-1))
+
+
+def _boundary(call, index, seqs, parts, columns, tile_seq):
+    """The ``_Boundary`` of ``seqs`` in tiles of partitions ``parts``; ``tile_seq``: each sequence's place
+    in its tile. The block holding the last token is clamped into ``parts`` (a tile wholly past the end
+    masks everything, one wholly before it nothing)."""
+    block_size, numbers = call.block_size, index.numbers
+    width, num_parts = columns * block_size, parts.stop - parts.start
+    lens = index.lens[seqs]
+    last_block = index.last_block[seqs].clamp(parts.start * columns, parts.stop * columns - 1)
+    last_part = torch.div(last_block, columns, rounding_mode="floor")
+    valid = torch.sub(lens, last_part, alpha=width)  # tokens of that partition in the sequence
+    boundary = _Boundary()
+    boundary.first = seqs.start
+    boundary.past_end = numbers[:width] >= valid[:, None]
+    part_pos = boundary.part_pos = torch.add(last_part - parts.start, tile_seq, alpha=num_parts)
+    block_in_part = last_block % columns
+    boundary.block_pos = torch.add(block_in_part, part_pos, alpha=columns)
+    boundary.slot_past_end = numbers[:block_size] >= torch.sub(valid, block_in_part, alpha=block_size)[:, None]
+    boundary.blocks_from_last = torch.add(torch.maximum(numbers[:columns], block_in_part[:, None]),
+                                          part_pos[:, None], alpha=columns)
+    return boundary
+
+
+def _tile(call, caches, index, seqs, parts, columns, mixed, scaled_tables, queries, boundary=None):
+    """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``. ``queries``: the
+    call's query as [kv_heads, seqs, group, head_size] in the matmul dtype; ``boundary``: the call's
+    ``_Boundary`` where tiles hold whole sequences (else made here).
 
     Returns tensors shaped [kv_heads, chunk, tile_partitions, group] (x head_size for the output).
     """
@@ -258,35 +350,24 @@ def _tile(call, caches, index, seqs, parts, columns, mixed, scaled_tables):
     blocks = index.block_ids[seqs, parts.start * columns:parts.stop * columns].reshape(-1)
     dtype = call.query.dtype if mixed else torch.float32  # float32 where bmm cannot take half inputs
     key_table, value_table = scaled_tables
-    keys = _gather(key_cache, _KEY_ORDER, blocks, dtype, key_table)
-    values = _gather(value_cache, _VALUE_ORDER, blocks, dtype, value_table)
+    keys = _gather(key_cache, _KEY_ORDER, _KEY_WORD_BYTES, blocks, dtype, key_table)
+    values = _gather(value_cache, _VALUE_ORDER, _VALUE_WORD_BYTES, blocks, dtype, value_table)
     values = values.view(head_size, kv_heads, num_seqs * tile_columns, block_size)
 
-    # The boundary: the tile's block holding each sequence's last token, clamped into the tile (a tile
-    # wholly past the end masks everything, one wholly before it nothing). Positions are tile-local.
-    seq_ids, lens = index.numbers[:num_seqs], index.lens[seqs]
-    last_block = index.last_block[seqs].clamp(parts.start * columns, parts.stop * columns - 1)
-    last_part = torch.div(last_block, columns, rounding_mode="floor")
-    valid = torch.sub(lens, last_part, alpha=width)     # tokens of that partition in the sequence
-    past_end = index.numbers[:width] >= valid[:, None]  # [seqs, width]
-    part_pos = torch.add(last_part - parts.start, seq_ids, alpha=num_parts)
-    block_in_part = last_block % columns
-    block_pos = torch.add(block_in_part, part_pos, alpha=columns)
-    slot_past_end = index.numbers[:block_size] >= torch.sub(valid, block_in_part, alpha=block_size)[:, None]
-    blocks_from_last = torch.add(torch.maximum(index.numbers[:columns], block_in_part[:, None]),
-                                 part_pos[:, None], alpha=columns).view(-1)
-
+    if boundary is None:
+        boundary = _boundary(call, index, seqs, parts, columns, index.numbers[:num_seqs])
+    past_end, part_pos, block_pos, slot_past_end, blocks_from_last = boundary.rows(seqs)
     boundary_values = values.index_select(2, block_pos).masked_fill_(slot_past_end, 0)  # 0 * NaN is NaN
-    values.index_fill_(2, blocks_from_last, 0)
+    _as_words(values, _VALUE_WORD_BYTES).index_fill_(2, blocks_from_last, 0)
     values.index_copy_(2, block_pos, boundary_values)
 
-    query = call.query[seqs].unflatten(1, (kv_heads, group)).transpose(0, 1)[:, :, None]
-    query = query.expand(kv_heads, num_seqs, num_parts, group, head_size).to(dtype).reshape(batch, group, head_size)
+    query = queries[:, seqs, None].expand(kv_heads, num_seqs, num_parts, group, head_size).reshape(batch, group,
+                                                                                                 head_size)
     logits = _bmm32(query, keys.view(batch, width, head_size).transpose(1, 2), mixed)
     logits = logits.view(kv_heads, num_seqs, num_parts, group, width)  # q.k, float32
     scale, keep = call.scale, None
     if call.alibi_slopes is not None or call.blocksparse is not None or scale <= 0:
-        logits, scale = logits * scale, 1.0                              # explicit logits
+        logits, scale, lens = logits * scale, 1.0, index.lens[seqs]      # explicit logits
         tokens = (torch.arange(parts.start, parts.stop, device=device)[:, None] * width
                   + torch.arange(width, device=device)[None, :])         # [parts, width]
         if call.alibi_slopes is not None:
@@ -380,18 +461,31 @@ def forward(call):
                               .to(table_dtype) for scale in (call.k_scale, call.v_scale))
     caches = _caches(call)
     kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
-    for start in range(0, num_seqs, chunk):
-        seqs = slice(start, min(start + chunk, num_seqs))
-        if tile_parts >= partitions:
-            results = _tile(call, caches, index, seqs, slice(0, partitions), columns, mixed, scaled_tables)
-        else:  # one sequence longer than a tile: its partitions in runs
-            stats_shape = (kv_heads, 1, partitions, group)
-            results = (torch.empty(stats_shape, device=call.query.device),
-                       torch.empty(stats_shape, device=call.query.device),
-                       torch.empty(*stats_shape, head_size, device=call.query.device))
-            for first in range(0, partitions, tile_parts):
-                parts = slice(first, min(first + tile_parts, partitions))
-                for result, tile_result in zip(results, _tile(call, caches, index, seqs, parts, columns, mixed,
-                                                               scaled_tables)):
-                    result[:, :, parts] = tile_result
-        _reduce(call, index, seqs, *results)
+    queries = call.query.unflatten(1, (kv_heads, group)).transpose(0, 1).to(compute_dtype if mixed else torch.float32)
+    reduced = _reduce_group(call, chunk, tile_parts)
+    boundary = None
+    if tile_parts >= partitions:  # tiles of whole sequences: one boundary for the call, sliced per tile
+        boundary = _boundary(call, index, slice(0, num_seqs), slice(0, partitions), columns,
+                             index.numbers[:num_seqs] % chunk)
+    buffers = None
+    if reduced > chunk or tile_parts < partitions:  # several tiles' results, reduced together
+        stats_shape = (kv_heads, reduced, partitions, group)
+        buffers = (torch.empty(stats_shape, device=call.query.device),
+                   torch.empty(stats_shape, device=call.query.device),
+                   torch.empty(*stats_shape, head_size, device=call.query.device))
+    for group_start in range(0, num_seqs, reduced):
+        group_stop = min(group_start + reduced, num_seqs)
+        if buffers is None:
+            results = _tile(call, caches, index, slice(group_start, group_stop), slice(0, partitions), columns, mixed,
+                            scaled_tables, queries, boundary)
+        else:
+            results = tuple(buffer[:, :group_stop - group_start] for buffer in buffers)
+            for start in range(group_start, group_stop, chunk):
+                seqs = slice(start, min(start + chunk, group_stop))
+                rows = slice(seqs.start - group_start, seqs.stop - group_start)
+                for first in range(0, partitions, tile_parts):  # one run unless a sequence is over a tile
+                    parts = slice(first, min(first + tile_parts, partitions))
+                    for result, tile_result in zip(results, _tile(call, caches, index, seqs, parts, columns, mixed,
+                                                                   scaled_tables, queries, boundary)):
+                        result[:, rows, parts] = tile_result
+        _reduce(call, index, slice(group_start, group_stop), *results)

@@ -148,13 +148,41 @@ def test_blocksparse_matches_reference(sparse, device):
         golden.check_against_reference(outputs, ref, golden.random_tolerance(inputs))
 
 
-@pytest.mark.parametrize("tile_bytes", [1, 600_000], ids=["one-partition-tiles", "two-sequence-chunks"])
-def test_small_tiles_give_the_same_result(tile_bytes, monkeypatch, device):
-    inputs = golden.random_case(torch.float32, 64, 16, 4, 2, [1, 513, 1600, 40, 0], alibi=True, poison=True)
+_TILED_CASE = dict(dtype=torch.float32, head_size=64, block_size=16, num_heads=4, num_kv_heads=2,
+                   seq_lens=[1, 513, 1600, 40, 0], alibi=True, poison=True)
+_CHUNK_RESULT_BYTES = 2 * 4 * 4 * 66 * 4  # 2 sequences x 4 heads x 4 partitions x (64 + 2) float32 results
+
+
+def _bytes_per_sequence(inputs, device):
+    """One sequence's share of the default tile (which holds all five)."""
+    on_device = golden.to_device(inputs, device)
+    call = contract.check_call(torch.empty_like(on_device["query"]), *golden.op_arguments(on_device))
+    _, chunk, _, tile_bytes = paged_attention_torch._plan(call, paged_attention_torch._bmm_float32_out(
+        call.query.device, call.query.dtype))
+    assert chunk == 5
+    return tile_bytes // 5
+
+
+@pytest.mark.parametrize("tile_sequences,result_bytes,reduces", [
+    (0, None, 5),                           # each sequence in tiles of one partition, reduced alone
+    (2, None, 1),                           # chunks of 2 sequences, all reduced together
+    (2, 1, 3),                              # chunks of 2 sequences, each reduced alone
+    (2, 2 * _CHUNK_RESULT_BYTES, 2),        # chunks of 2 sequences, reduced two chunks at a time
+], ids=["one-partition-tiles", "two-sequence-chunks", "reduce-per-chunk", "reduce-two-chunks"])
+def test_small_tiles_give_the_same_result(tile_sequences, result_bytes, reduces, monkeypatch, device):
+    inputs = golden.random_case(**_TILED_CASE)
     expected = golden.run_op(BACKEND, inputs, "v2", device)
-    monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES",
+                        max(1, tile_sequences * _bytes_per_sequence(inputs, device) + 1))
+    if result_bytes is not None:
+        monkeypatch.setattr(paged_attention_torch, "MAX_RESULT_BYTES", result_bytes)
+    reduce_calls = []
+    reduce = paged_attention_torch._reduce
+    monkeypatch.setattr(paged_attention_torch, "_reduce", lambda *args: reduce_calls.append(1) or reduce(*args))
     for version in golden.VERSIONS:
+        reduce_calls.clear()
         actual = golden.run_op(BACKEND, inputs, version, device)
+        assert len(reduce_calls) == reduces
         for name, tensor in actual.items():
             assert torch.allclose(tensor.nan_to_num(), expected[name].nan_to_num(), rtol=1e-6, atol=1e-6), name
             assert torch.equal(tensor.isnan(), expected[name].isnan()), name
