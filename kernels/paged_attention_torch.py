@@ -17,14 +17,18 @@ query heads of a group (no Python loop per token or partition). Per tile::
             rounded to the query dtype (vLLM's rounding), then bmm(p, V) accumulated in float32:
             the normalised partition output
 
-Then, per chunk of sequences, the partitions are reduced into ``out`` with vLLM's rescaling
+Then, per group of chunks (as many as ``MAX_RESULT_BYTES`` of partition results hold; one sequence
+where a sequence spans several tiles), the partitions are reduced into ``out`` with vLLM's rescaling
 (``w_p = exp_sum_p * exp(max_p - max)``, ``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a
 single partition copied). v2 writes its three per-partition outputs only for partitions
 ``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query dtype, like
 vLLM's reduce kernel); v1 reduces from the float32 partition outputs. seq_len 0 gives zeros.
-Per-call index tensors (lengths, clamped block ids, written partitions, bad sequences) are built
-once. The plain case (no ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") issues about
-38 tensor ops per tile, 14 per call and 3 (one partition) to 16 per chunk for the reduce.
+Per-call tensors (lengths, clamped block ids, written partitions, bad sequences, the boundary
+positions of tiles of whole sequences, the query in the matmul layout) are built once. Host cost
+matters as much as bandwidth here: an eager tensor op costs 10-20 us of host time on the H200's
+host, and a 2 GB call was host-bound at 4.3-4.7 ms against 2.7 ms of GPU time. The plain case (no
+ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") makes about 56 torch calls per tile
+(views included), 100 per call and 3 (one partition) to 25 per reduce.
 
 Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included.
 Only the partition holding a sequence's last token mixes used and unused slots, so only it is
@@ -236,13 +240,25 @@ _KEY_WORD_BYTES = 16
 _VALUE_WORD_BYTES = 8
 
 
-def _gather(cache, order, word_bytes, blocks, dtype, fp8_table):
-    """``cache[blocks]`` permuted by ``order`` (blocks along dimension ``order.index(0)``) as a contiguous
-    ``dtype`` tensor: one index_select on the permuted cache, in words, then (where needed) one
-    conversion or, for fp8 bits, one lookup in ``fp8_table`` (vLLM's decoded, scaled, rounded values)."""
-    picked = torch.index_select(_as_words(cache, word_bytes).permute(order), order.index(0), blocks)
-    picked = picked.view(cache.dtype)
-    return picked.to(dtype) if fp8_table is None else fp8.lookup(fp8_table, picked)
+class _Source:
+    """One cache as the gathers read it: in words, permuted so that its blocks lie along ``dim``."""
+
+    __slots__ = ("words", "dim", "dtype")
+
+    def __init__(self, cache, order, word_bytes):
+        self.words = _as_words(cache, word_bytes).permute(order)
+        self.dim = order.index(0)
+        self.dtype = cache.dtype
+
+
+def _gather(source, blocks, dtype, fp8_table):
+    """The ``_Source``'s ``blocks`` in its permuted layout as a contiguous ``dtype`` tensor: one index_select
+    of words, then (where needed) one conversion or, for fp8 bits, one lookup in ``fp8_table`` (vLLM's
+    decoded, scaled, rounded values)."""
+    picked = torch.index_select(source.words, source.dim, blocks).view(source.dtype)
+    if fp8_table is not None:
+        return fp8.lookup(fp8_table, picked)
+    return picked if picked.dtype == dtype else picked.to(dtype)
 
 
 def _head_offsets(call, device):
@@ -294,47 +310,42 @@ def _index(call, columns):
     return index
 
 
-class _Boundary:
-    """Where each sequence's last token lies in a tile, as tile-local positions: ``past_end`` [seqs, width]
-    (its partition's tokens past the end), ``part_pos`` and ``block_pos`` [seqs] (that partition and its
-    block among the tile's), ``slot_past_end`` [seqs, block_size] (that block's slots past the end),
-    ``blocks_from_last`` [seqs, columns] (that block and the ones after it in the partition)."""
+def _boundary(call, index, seqs, parts, columns, chunk):
+    """Where each of ``seqs``' last token lies in its tile of partitions ``parts``, as tile-local positions,
+    one tuple per tile of ``chunk`` sequences (a tile of one sequence where ``chunk`` is None):
 
-    __slots__ = ("past_end", "part_pos", "block_pos", "slot_past_end", "blocks_from_last", "first")
+        past_end [seqs, width]            its partition's tokens past the end
+        part_pos, block_pos [seqs]        that partition and its block among the tile's
+        slot_past_end [seqs, block_size]  that block's slots past the end
+        blocks_from_last [seqs * columns] that block and the ones after it in the partition
 
-    def rows(self, seqs):
-        """The tensors for the tile of ``seqs`` (all of them where the boundary was made for that tile)."""
-        rows = slice(seqs.start - self.first, seqs.stop - self.first)
-        return (self.past_end[rows], self.part_pos[rows], self.block_pos[rows], self.slot_past_end[rows],
-                self.blocks_from_last[rows].reshape(-1))
-
-
-def _boundary(call, index, seqs, parts, columns, tile_seq):
-    """The ``_Boundary`` of ``seqs`` in tiles of partitions ``parts``; ``tile_seq``: each sequence's place
-    in its tile. The block holding the last token is clamped into ``parts`` (a tile wholly past the end
-    masks everything, one wholly before it nothing)."""
-    block_size, numbers = call.block_size, index.numbers
+    The block holding the last token is clamped into ``parts`` (a tile wholly past the end masks
+    everything, one wholly before it nothing). Split once per call: slicing per tile costs host time."""
+    block_size, numbers, num_seqs = call.block_size, index.numbers, seqs.stop - seqs.start
     width, num_parts = columns * block_size, parts.stop - parts.start
     lens = index.lens[seqs]
     last_block = index.last_block[seqs].clamp(parts.start * columns, parts.stop * columns - 1)
     last_part = torch.div(last_block, columns, rounding_mode="floor")
     valid = torch.sub(lens, last_part, alpha=width)  # tokens of that partition in the sequence
-    boundary = _Boundary()
-    boundary.first = seqs.start
-    boundary.past_end = numbers[:width] >= valid[:, None]
-    part_pos = boundary.part_pos = torch.add(last_part - parts.start, tile_seq, alpha=num_parts)
+    tile_seq = numbers[:num_seqs] if chunk is None else numbers[:num_seqs] % chunk
+    past_end = numbers[:width] >= valid[:, None]
+    part_pos = torch.add(last_part - parts.start, tile_seq, alpha=num_parts)
     block_in_part = last_block % columns
-    boundary.block_pos = torch.add(block_in_part, part_pos, alpha=columns)
-    boundary.slot_past_end = numbers[:block_size] >= torch.sub(valid, block_in_part, alpha=block_size)[:, None]
-    boundary.blocks_from_last = torch.add(torch.maximum(numbers[:columns], block_in_part[:, None]),
-                                          part_pos[:, None], alpha=columns)
-    return boundary
+    block_pos = torch.add(block_in_part, part_pos, alpha=columns)
+    slot_past_end = numbers[:block_size] >= torch.sub(valid, block_in_part, alpha=block_size)[:, None]
+    blocks_from_last = torch.add(torch.maximum(numbers[:columns], block_in_part[:, None]), part_pos[:, None],
+                                 alpha=columns).view(-1)
+    if chunk is None or chunk >= num_seqs:
+        return [(past_end, part_pos, block_pos, slot_past_end, blocks_from_last)]
+    return list(zip(past_end.split(chunk), part_pos.split(chunk), block_pos.split(chunk), slot_past_end.split(chunk),
+                    blocks_from_last.split(chunk * columns)))
 
 
-def _tile(call, caches, index, seqs, parts, columns, mixed, scaled_tables, queries, boundary=None):
-    """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``. ``queries``: the
-    call's query as [kv_heads, seqs, group, head_size] in the matmul dtype; ``boundary``: the call's
-    ``_Boundary`` where tiles hold whole sequences (else made here).
+def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, queries, boundary=None):
+    """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``. ``sources``: the
+    caches' ``_Source`` pair; ``queries``: the
+    call's query as [kv_heads, seqs, group, head_size] in the matmul dtype; ``boundary``: the tile's
+    entry of the call's ``_boundary`` where tiles hold whole sequences (else made here).
 
     Returns tensors shaped [kv_heads, chunk, tile_partitions, group] (x head_size for the output).
     """
@@ -343,20 +354,18 @@ def _tile(call, caches, index, seqs, parts, columns, mixed, scaled_tables, queri
     block_size = call.block_size
     num_seqs, num_parts = seqs.stop - seqs.start, parts.stop - parts.start
     width = columns * block_size  # tokens per partition in this call
-    tile_columns = num_parts * columns
     batch = kv_heads * num_seqs * num_parts
-    key_cache, value_cache = caches
+    key_source, value_source = sources
 
     blocks = index.block_ids[seqs, parts.start * columns:parts.stop * columns].reshape(-1)
     dtype = call.query.dtype if mixed else torch.float32  # float32 where bmm cannot take half inputs
     key_table, value_table = scaled_tables
-    keys = _gather(key_cache, _KEY_ORDER, _KEY_WORD_BYTES, blocks, dtype, key_table)
-    values = _gather(value_cache, _VALUE_ORDER, _VALUE_WORD_BYTES, blocks, dtype, value_table)
-    values = values.view(head_size, kv_heads, num_seqs * tile_columns, block_size)
+    keys = _gather(key_source, blocks, dtype, key_table)
+    values = _gather(value_source, blocks, dtype, value_table)  # [head_size, kv_heads, tile blocks, block_size]
 
     if boundary is None:
-        boundary = _boundary(call, index, seqs, parts, columns, index.numbers[:num_seqs])
-    past_end, part_pos, block_pos, slot_past_end, blocks_from_last = boundary.rows(seqs)
+        boundary = _boundary(call, index, seqs, parts, columns, None)[0]
+    past_end, part_pos, block_pos, slot_past_end, blocks_from_last = boundary
     boundary_values = values.index_select(2, block_pos).masked_fill_(slot_past_end, 0)  # 0 * NaN is NaN
     _as_words(values, _VALUE_WORD_BYTES).index_fill_(2, blocks_from_last, 0)
     values.index_copy_(2, block_pos, boundary_values)
@@ -459,14 +468,14 @@ def forward(call):
         table_dtype = compute_dtype if mixed else torch.float32
         scaled_tables = tuple(fp8.scaled_table(call.kv_cache_dtype, scale, compute_dtype, call.query.device)
                               .to(table_dtype) for scale in (call.k_scale, call.v_scale))
-    caches = _caches(call)
+    key_cache, value_cache = _caches(call)
+    sources = (_Source(key_cache, _KEY_ORDER, _KEY_WORD_BYTES), _Source(value_cache, _VALUE_ORDER, _VALUE_WORD_BYTES))
     kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
     queries = call.query.unflatten(1, (kv_heads, group)).transpose(0, 1).to(compute_dtype if mixed else torch.float32)
     reduced = _reduce_group(call, chunk, tile_parts)
-    boundary = None
-    if tile_parts >= partitions:  # tiles of whole sequences: one boundary for the call, sliced per tile
-        boundary = _boundary(call, index, slice(0, num_seqs), slice(0, partitions), columns,
-                             index.numbers[:num_seqs] % chunk)
+    boundaries = None
+    if tile_parts >= partitions:  # tiles of whole sequences: the boundaries of all tiles at once
+        boundaries = _boundary(call, index, slice(0, num_seqs), slice(0, partitions), columns, chunk)
     buffers = None
     if reduced > chunk or tile_parts < partitions:  # several tiles' results, reduced together
         stats_shape = (kv_heads, reduced, partitions, group)
@@ -476,16 +485,17 @@ def forward(call):
     for group_start in range(0, num_seqs, reduced):
         group_stop = min(group_start + reduced, num_seqs)
         if buffers is None:
-            results = _tile(call, caches, index, slice(group_start, group_stop), slice(0, partitions), columns, mixed,
-                            scaled_tables, queries, boundary)
+            results = _tile(call, sources, index, slice(group_start, group_stop), slice(0, partitions), columns, mixed,
+                            scaled_tables, queries, boundaries[group_start // chunk])
         else:
             results = tuple(buffer[:, :group_stop - group_start] for buffer in buffers)
             for start in range(group_start, group_stop, chunk):
                 seqs = slice(start, min(start + chunk, group_stop))
                 rows = slice(seqs.start - group_start, seqs.stop - group_start)
+                boundary = None if boundaries is None else boundaries[start // chunk]
                 for first in range(0, partitions, tile_parts):  # one run unless a sequence is over a tile
                     parts = slice(first, min(first + tile_parts, partitions))
-                    for result, tile_result in zip(results, _tile(call, caches, index, seqs, parts, columns, mixed,
+                    for result, tile_result in zip(results, _tile(call, sources, index, seqs, parts, columns, mixed,
                                                                    scaled_tables, queries, boundary)):
                         result[:, rows, parts] = tile_result
         _reduce(call, index, slice(group_start, group_stop), *results)
