@@ -485,9 +485,14 @@ class _Launcher:
         self.fn = fn
         self.pointer_positions = tuple(i for i, name in enumerate(fn.arg_names) if name.endswith("_ptr"))
         self.kernels = {}
+        self.last = (None, None)  # (key, kernel) of the last direct launch: decode steps repeat it
 
     def __call__(self, key, grid, device, args, tensors, make_constants):
-        kernel = self.kernels.get(key)
+        last_key, kernel = self.last
+        if key != last_key:  # tuple equality: cheaper than hashing the ~30 strides in the key
+            kernel = self.kernels.get(key)
+            if kernel is not None:
+                self.last = (key, kernel)
         if kernel is not None:
             kernel.run(grid[0], grid[1], grid[2], _current_stream(device.index), kernel.function,
                        kernel.packed_metadata, None, None, None, *args, *kernel.constexpr_tail)
