@@ -604,6 +604,35 @@ def launch_overheads(series, device, calls):
     return overheads
 
 
+def _add_one_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr):
+        tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+    return add_one
+
+
+def host_references(device, calls):
+    """Host cost of two reference calls, timed like the backends' launch overhead: ``torch.add`` on a
+    one-element tensor and, on a GPU, a one-argument Triton kernel launched through ``kernel[grid](x)``.
+    Host speed differs between machines (the lent H200s' hosts by 1.7x between leases): these say how fast
+    this one was."""
+    import torch
+
+    x = torch.zeros(1, device=device)
+    found = {"torch_add": {"us": _common.host_call_us(lambda: torch.add(x, 1, out=x), device, calls)}}
+    if device.type == "cuda":
+        try:
+            kernel = _add_one_kernel()
+            found["triton_launch"] = {"us": _common.host_call_us(lambda: kernel[(1,)](x), device, calls)}
+        except Exception as error:  # noqa: BLE001
+            found["triton_launch"] = {"failed": _describe(error)}
+    return found
+
+
 def group_pools(rows):
     """{(dtype, num_heads, num_kv_heads): blocks needed by the group's largest row}."""
     sizes = {}
@@ -676,10 +705,11 @@ def main(argv=None):
                    "copy_counted": "bytes read + bytes written", "tolerance_rel_l2": TOLERANCE},
         "series": {s.name: {"available": s.backend is not None, "error": s.error, "note": s.note} for s in series},
         "copy_ceiling": ceiling, "copy_gbps": ceiling["start"]["gbps"],
-        "launch_overhead_us": None, "rows": [], "skipped": skipped, "notes": notes, "complete": False,
+        "launch_overhead_us": None, "host_reference_us": None, "rows": [], "skipped": skipped, "notes": notes, "complete": False,
     }
     launch_calls = args.launch_calls or (1000 if device.type == "cuda" else 100)
     payload["launch_overhead_us"] = launch_overheads(series, device, launch_calls)
+    payload["host_reference_us"] = host_references(device, launch_calls)
     _common.write_json(paths["json"], payload)
 
     runner = RowRunner(args, device, series, use_sdpa, gqa, warmup_ms, rep_ms, ceiling["start"]["gbps"])
@@ -798,6 +828,13 @@ def render_markdown(payload):
     lines.append("Host-side launch overhead of one v1 call (1 x 64 tokens, heads 32/8, fp16; CPU clock, no wait): "
                  + ", ".join(f"{name} {value['us']:.1f} us" if "us" in value else f"{name} failed"
                              for name, value in (payload["launch_overhead_us"] or {}).items()) + ".")
+    references = payload.get("host_reference_us") or {}
+    if references:
+        described = {"torch_add": "torch.add on a 1-element tensor",
+                     "triton_launch": "a 1-argument Triton kernel through kernel[grid](x)"}
+        lines.append("Host speed of this machine, timed the same way: " + ", ".join(
+            f"{described.get(name, name)} {value['us']:.1f} us" if "us" in value else f"{name} failed"
+            for name, value in references.items()) + ".")
     lines.append("")
     names = _series_columns(payload)
     header = ["dtype", "heads q/kv", "seqs x tokens", "K+V MB", "vLLM picks"] + names + ["torch peak extra MB",
@@ -906,7 +943,9 @@ def check_targets(payload):
 def print_summary(payload, paths):
     print(f"copy ceiling {payload['copy_gbps']:.0f} GB/s; launch overhead (v1, tiny): "
           + ", ".join(f"{n} {v['us']:.1f} us" if "us" in v else f"{n} failed"
-                      for n, v in payload["launch_overhead_us"].items()))
+                      for n, v in payload["launch_overhead_us"].items())
+          + "; host references: " + ", ".join(f"{n} {v['us']:.1f} us" if "us" in v else f"{n} failed"
+                                              for n, v in (payload.get("host_reference_us") or {}).items()))
     shown = [n for n in payload["series"] if not n.endswith(("_v1", "_v2"))]
     shown = [n for name in shown for n in ((name, name + "_best") if name.startswith("triton") else (name,))]
     shown.append("sdpa")

@@ -73,6 +73,7 @@ def test_json_holds_measured_numbers(cpu_run):
 def test_torch_backend_row_results(cpu_run):
     payload = json.loads(cpu_run["json"].read_text())
     launch = payload["launch_overhead_us"]["torch"]
+    assert payload["host_reference_us"]["torch_add"]["us"] > 0
     for row in payload["rows"]:
         result = row["results"]["torch"]
         if not _torch_backend_importable():
