@@ -197,13 +197,16 @@ _WORD_DTYPES = {}
 
 def _word_dtype(device):
     """The widest dtype whose gathers and fills move bits unchanged on ``device``: complex128 (16 bytes,
-    one of K's ``x`` runs), else int64. Checked once per device on random bits, float NaN patterns
-    included (a copy through float registers could change them)."""
+    one of K's ``x`` runs), else int64. Checked once per device on random bits with the float64 words a
+    copy through float registers could change planted among them: quiet and signalling NaNs with
+    payloads, denormals of both signs (flushed to zero where fp64 is unreliable)."""
     found = _WORD_DTYPES.get(device)
     if found is None:
         found = torch.int64
         bits = torch.randint(0, 256, (64, 3, 32), dtype=torch.uint8, device=device)
-        bits[::2, :, 8:16] = 0xFF  # all-ones float64 words: NaN with every payload bit set
+        for row, word in enumerate((0xFFFFFFFFFFFFFFFF, 0x7FF0000000000001, 0x0000000000000001, 0x800FFFFFFFFFFFFF)):
+            planted = torch.tensor(list(word.to_bytes(8, "little")), dtype=torch.uint8, device=device)
+            bits[row::4, :, 8 * row:8 * row + 8] = planted
         order = torch.randperm(64, device=device)
         try:
             words = bits.view(torch.complex128).permute(1, 0, 2)

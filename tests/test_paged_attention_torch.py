@@ -239,6 +239,42 @@ def test_no_sequences(device):
     assert golden.run_op(BACKEND, inputs, "v2", device)["out"].shape == (0, 4, 64)
 
 
+# --- gathers in words: bit-exact or not used ---
+
+def test_gathers_move_cache_bits_unchanged(device):
+    """Whatever word dtype the device gets, K and V gathered through it keep every bit (NaN payloads too)."""
+    bits = torch.randint(-32768, 32768, (6, 2, 8, 16, 8), dtype=torch.int16, device=device)
+    bits[0, 0, 0, 0] = 0x7C01  # a signalling NaN in fp16
+    key_cache = bits.view(torch.float16)
+    value_cache = bits.view(6, 2, 64, 16).view(torch.float16)
+    blocks = torch.tensor([4, 0, 5, 0], device=device)
+    torch_backend = paged_attention_torch
+    for cache, order, word_bytes in ((key_cache, torch_backend._KEY_ORDER, torch_backend._KEY_WORD_BYTES),
+                                     (value_cache, torch_backend._VALUE_ORDER, torch_backend._VALUE_WORD_BYTES)):
+        source = paged_attention_torch._Source(cache, order, word_bytes)
+        gathered = paged_attention_torch._gather(source, blocks, torch.float16, None)
+        expected = cache.permute(order).index_select(order.index(0), blocks)
+        assert torch.equal(gathered.view(torch.int16), expected.contiguous().view(torch.int16))
+
+
+def test_word_dtype_falls_back_where_16_byte_copies_change_bits(monkeypatch):
+    real = torch.index_select
+
+    def quieting(input, dim, index, **kwargs):  # a device whose complex128 copies quiet signalling NaNs
+        out = real(input, dim, index, **kwargs)
+        if out.dtype == torch.complex128:
+            words = out.view(torch.int64)
+            signalling = ((words & 0x7FF8000000000000) == 0x7FF0000000000000) & ((words & 0x000FFFFFFFFFFFFF) != 0)
+            words[signalling] |= 0x0008000000000000
+        return out
+
+    monkeypatch.setattr(paged_attention_torch, "_WORD_DTYPES", {})
+    assert paged_attention_torch._word_dtype(torch.device("cpu")) == torch.complex128  # CPU copies keep bits
+    monkeypatch.setattr(paged_attention_torch, "_WORD_DTYPES", {})
+    monkeypatch.setattr(torch, "index_select", quieting)
+    assert paged_attention_torch._word_dtype(torch.device("cpu")) == torch.int64
+
+
 @pytest.mark.parametrize("kv_cache_dtype,mixed", [("auto", True), ("auto", False), ("fp8_e4m3", False)])
 def test_planned_tiles_respect_the_byte_budget(kv_cache_dtype, mixed):
     def plan(max_seq_len):
