@@ -38,15 +38,16 @@ it in that partition are zeroed whole (``index_fill_``, in words) and the picked
 (0 * NaN would be NaN). Partitions wholly past the end are computed on whatever their clamped block ids
 hold and then discarded (``torch.where`` / ``masked_fill``, never a multiply).
 
-Memory traffic (what the speed rests on). The gather moves whole stored runs: where the matmuls
-take the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as words and
+Memory traffic (what the speed rests on). The gather moves whole stored runs: where the matmuls take
+the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as words and
 permuted: K in 16-byte words (its ``x`` runs; complex128 where the device copies those bit-exactly),
-V in 8-byte ones (pieces of its block rows), never element by element; elsewhere the
-blocks are picked as stored (whole blocks) and permuted by the copy that converts them to float32. Each K and V byte is thus read by the gather, written once in the matmul
-layout and read once by the matmul (plus the float32 copy without ``mixed``). Masking touches one
-partition of logits and one block of V per sequence (plus the unused blocks after it). The float32
-logits take a few passes (bmm, max, scaled subtract, exp, sum, the rounded probabilities), each
-about ``2 * G / (head_size * element_size)`` of the K+V bytes (1/32 for fp16, G = 4, head 128).
+V in 8-byte ones (pieces of its block rows), never element by element; elsewhere the blocks are
+picked as stored (whole blocks) and permuted by the copy that converts them to float32. Each K and V
+byte is thus read by the gather, written once in the matmul layout and read once by the matmul (plus
+the float32 copy without ``mixed``). Masking touches one partition of logits and one block of V per
+sequence (plus the unused blocks after it). The float32 logits take a few passes (bmm, max, scaled
+subtract, exp, sum, the rounded probabilities), each about ``2 * G / (head_size * element_size)`` of
+the K+V bytes (1/32 for fp16, G = 4, head 128).
 
 Matmul precision. Where ``torch.bmm`` takes ``out_dtype`` for the device (CUDA on recent torch)
 the gathered cache stays in its dtype and the products accumulate and come out in float32;
