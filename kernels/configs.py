@@ -158,19 +158,6 @@ def choose_subsplits(limits, programs, partitions, partition_size, block_n):
     return subs
 
 
-def choose_partition_runs(limits, programs, partitions):
-    """v2 on a grid over one wave of resident programs: programs per sequence and kv head, each taking a
-    run of consecutive 512-token partitions in one loop (the pipeline and the program's setup are paid
-    once per run, not once per partition); as many as v1 would split the sequence into. 0 (one program
-    per partition) where the partitions fit the wave. On the H200 (run of 2026-12-03 16:27) a program per
-    partition made grouped-query 64/8 128 x 32768 7.5% slower than v1's 1 split."""
-    wave = limits.multiprocessor_count * PROGRAMS_PER_SM
-    if programs * partitions <= wave:
-        return 0
-    runs = max(1, min(wave // max(programs, 1), partitions))
-    return runs if runs < partitions else 0
-
-
 def reduce_tile(num_splits, head_size):
     """The reduce kernel's tile: ``(splits_block, dims_block)``, splits per load (all of them up to
     ``REDUCE_MAX_SPLITS``) by head dims per program, at most ``REDUCE_TILE`` float32 values. Its two

@@ -205,25 +205,6 @@ def _attend_step(q, k, v, tokens, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
     return m_new, l_i, acc
 
 
-@triton.jit
-def _store_split(tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3, exp_sums_ptr, stride_e0, stride_e1, stride_e2,
-                 max_logits_ptr, stride_m0, stride_m1, stride_m2, seq, heads, dims, row_ok, dim_ok, index, written,
-                 m_i, l_i, acc, v_factor, broken, KV_FORMAT: tl.constexpr):
-    """Write split (or partition) ``index``'s outputs where ``written``: its self-normalised output, max logit
-    (natural log units) and sum of exp, all NaN where ``broken``."""
-    if KV_FORMAT != 0:
-        acc = acc * v_factor
-    result = tl.where(broken, float("nan"), acc / (l_i[:, None] + 1e-6))
-    tmp_ptrs = tmp_ptr + seq.to(tl.int64) * stride_t0 + heads[:, None] * stride_t1 + index * stride_t2 \
-        + dims[None, :] * stride_t3
-    tl.store(tmp_ptrs, result.to(tmp_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :] & written)
-    max_logit = tl.where(m_i <= -3.4028234663852886e38, -3.4028234663852886e38, m_i * 0.6931471805599453)
-    tl.store(max_logits_ptr + seq * stride_m0 + heads * stride_m1 + index * stride_m2,
-             tl.where(broken, float("nan"), max_logit), mask=row_ok & written)
-    tl.store(exp_sums_ptr + seq * stride_e0 + heads * stride_e1 + index * stride_e2,
-             tl.where(broken, float("nan"), l_i), mask=row_ok & written)
-
-
 @triton.jit(do_not_specialize=["num_blocks", "table_columns", "max_seq_len", "tokens_per_split", "num_splits",
                               "tp_rank", "sparse_local_blocks", "sparse_vert_stride", "sparse_block_size",
                               "sparse_sliding_step"])
@@ -243,13 +224,11 @@ def _attention_kernel(
     HEADS_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     X: tl.constexpr, KV_FORMAT: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr, USE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr, PART_TOKENS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Grid (num_kv_heads * head_chunks, num_seqs, num_splits); split s covers tokens
     [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence. Head sizes are runtime values
-    (a multiple of 8, padded to HEAD_PAD): one compiled kernel serves 80 ... 128. PART_TOKENS > 0: a split
-    is a run of PART_TOKENS-token partitions, each written (at index token // PART_TOKENS) as the loop
-    leaves it, so one program serves several of v2's partitions with one loop and one pipeline."""
+    (a multiple of 8, padded to HEAD_PAD): one compiled kernel serves 80 ... 128."""
     kv_head = tl.program_id(0) // head_chunks
     chunk = tl.program_id(0) % head_chunks
     head_size = tl.multiple_of(head_size, 8)
@@ -344,15 +323,6 @@ def _attention_kernel(
             bad_blocks += bad_next
             k = k_next
             v = v_next
-        if PART_TOKENS > 0:
-            if (first + BLOCK_N) % PART_TOKENS == 0:  # a partition ends here: write it, start the next
-                _store_split(tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3, exp_sums_ptr, stride_e0, stride_e1,
-                             stride_e2, max_logits_ptr, stride_m0, stride_m1, stride_m2, seq, heads, dims, row_ok,
-                             dim_ok, (first + BLOCK_N) // PART_TOKENS - 1, end > start, m_i, l_i, acc, v_factor,
-                             seq_bad | (bad_blocks > 0), KV_FORMAT)
-                m_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32) - float("inf")
-                l_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32)
-                acc = tl.zeros([HEADS_BLOCK, HEAD_PAD], dtype=tl.float32)
     if full_end < end:
         if not PREFETCH:  # (the prefetching loop has already loaded this step)
             k, v, bad_step = _load_step(key_head, value_head, ids, full_end, end, num_blocks, key_dims, dims, dim_ok,
@@ -363,31 +333,27 @@ def _attention_kernel(
                                      sparse_offset, query_sparse_block, sparse_block_size, sparse_vert_stride,
                                      sparse_local_blocks, KV_FORMAT, HAS_ALIBI, IS_SPARSE, USE_DOT, True)
 
+    if KV_FORMAT != 0:
+        acc = acc * v_factor
+    result = acc / (l_i[:, None] + 1e-6)
     broken = seq_bad | (bad_blocks > 0)
+    result = tl.where(broken, float("nan"), result)
+    out_mask = row_ok[:, None] & dim_ok[None, :]
     if PARTIAL:  # only splits that hold tokens write (vLLM leaves the others untouched)
-        if PART_TOKENS == 0:
-            _store_split(tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3, exp_sums_ptr, stride_e0, stride_e1,
-                         stride_e2, max_logits_ptr, stride_m0, stride_m1, stride_m2, seq, heads, dims, row_ok, dim_ok,
-                         split, start < tl.maximum(seq_len, 0), m_i, l_i, acc, v_factor, broken, KV_FORMAT)
-        else:
-            if (end > start) & (end % PART_TOKENS != 0):  # the sequence ends inside this run's last partition
-                _store_split(tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3, exp_sums_ptr, stride_e0, stride_e1,
-                             stride_e2, max_logits_ptr, stride_m0, stride_m1, stride_m2, seq, heads, dims, row_ok,
-                             dim_ok, (end - 1) // PART_TOKENS, end > start, m_i, l_i, acc, v_factor, broken,
-                             KV_FORMAT)
-            if seq_bad:  # nothing was read: NaN for every partition of the run the sequence claims
-                for part in range(start // PART_TOKENS, (start + tokens_per_split) // PART_TOKENS):
-                    _store_split(tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3, exp_sums_ptr, stride_e0,
-                                 stride_e1, stride_e2, max_logits_ptr, stride_m0, stride_m1, stride_m2, seq, heads,
-                                 dims, row_ok, dim_ok, part,
-                                 (part * PART_TOKENS < seq_len) & (part * PART_TOKENS < max_seq_len), m_i, l_i, acc,
-                                 v_factor, broken, KV_FORMAT)
+        written = start < tl.maximum(seq_len, 0)
+        tmp_ptrs = tmp_ptr + seq.to(tl.int64) * stride_t0 + heads[:, None] * stride_t1 + split * stride_t2 \
+            + dims[None, :] * stride_t3
+        tl.store(tmp_ptrs, result.to(tmp_ptr.dtype.element_ty), mask=out_mask & written)
+        max_logit = tl.where(m_i <= -3.4028234663852886e38, -3.4028234663852886e38, m_i * 0.6931471805599453)
+        max_logit = tl.where(broken, float("nan"), max_logit)
+        exp_sum = tl.where(broken, float("nan"), l_i)
+        tl.store(max_logits_ptr + seq * stride_m0 + heads * stride_m1 + split * stride_m2, max_logit,
+                 mask=row_ok & written)
+        tl.store(exp_sums_ptr + seq * stride_e0 + heads * stride_e1 + split * stride_e2, exp_sum,
+                 mask=row_ok & written)
     else:
-        if KV_FORMAT != 0:
-            acc = acc * v_factor
-        result = tl.where(broken, float("nan"), acc / (l_i[:, None] + 1e-6))
         out_ptrs = out_ptr + seq.to(tl.int64) * stride_o0 + heads[:, None] * stride_o1 + dims[None, :] * stride_o2
-        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["table_columns", "max_seq_len", "tokens_per_split", "num_splits"])
@@ -608,21 +574,19 @@ class _Plan:
                  "dense_args")
 
     def splits_for(self, call):
-        """(num_splits, tokens_per_split, subs, runs): v1 its own split-KV (``subs`` 1, ``runs`` 0); v2 vLLM's
-        512-token partitions, each cut into ``subs`` sub-splits where the grid is small (combined into the
-        partition outputs by ``_partition_kernel``), or where it is over a wave handed out in ``runs``
-        programs per sequence, each writing a run of consecutive partitions (``runs`` 0: one per partition)."""
+        """(num_splits, tokens_per_split, subs): v1 its own split-KV (``subs`` 1); v2 vLLM's 512-token
+        partitions, each cut into ``subs`` sub-splits where the grid is small (combined into the partition
+        outputs by ``_partition_kernel``)."""
         found = self.splits.get(call.max_seq_len)
         if found is None:
             if call.exp_sums is not None:
                 partitions = max(call.max_num_partitions, 1)
                 subs = configs.choose_subsplits(self.limits, self.programs, partitions, PARTITION_SIZE,
                                                 self.config.block_n)
-                runs = configs.choose_partition_runs(self.limits, self.programs, partitions) if subs == 1 else 0
-                found = (partitions * subs, PARTITION_SIZE // subs, subs, runs)
+                found = (partitions * subs, PARTITION_SIZE // subs, subs)
             else:
                 found = configs.choose_splits(self.limits, self.programs, call.max_seq_len,
-                                              self.config.block_n) + (1, 0)
+                                              self.config.block_n) + (1,)
             if len(self.splits) > 4096:  # one entry per max_seq_len seen: keep it bounded
                 self.splits.clear()
             self.splits[call.max_seq_len] = found
@@ -682,8 +646,7 @@ def _contiguous_slots(call, key_strides, value_strides):
 def _launch(call, plan):
     query, out, key_cache, value_cache = call.query, call.out, call.key_cache, call.value_cache
     device = call.device
-    num_splits, tokens_per_split, subs, runs = plan.splits_for(call)
-    run_length = -(-num_splits // runs) if runs else 1  # partitions per program
+    num_splits, tokens_per_split, subs = plan.splits_for(call)
     out_strides = out.stride()
     if call.exp_sums is not None and subs == 1:
         partial = True
@@ -731,13 +694,11 @@ def _launch(call, plan):
             query_at, *cache_strides[0], key_at, *cache_strides[1], value_at, *cache_strides[2],
             tables_at, *cache_strides[3], lens_at, alibi_at, k_scale, v_scale, call.scale * LOG2E, call.head_size,
             call.queries_per_kv, plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len,
-            tokens_per_split * run_length, num_splits, *sparse_args)
-    grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, -(-num_splits // run_length))
-    part_tokens = PARTITION_SIZE if runs else 0
-    _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial, part_tokens),
-               grid, device, args, tensors,
-               lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
-                            CONTIGUOUS_SLOTS=_contiguous_slots(call, *cache_strides[1:3]), PART_TOKENS=part_tokens))
+            tokens_per_split, num_splits, *sparse_args)
+    grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
+    _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
+               device, args, tensors, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
+                                                   CONTIGUOUS_SLOTS=_contiguous_slots(call, *cache_strides[1:3])))
     if subs > 1:  # v2 from sub-splits: vLLM's partition outputs first, then the usual reduce over them
         parts = (call.tmp_out, call.exp_sums, call.max_logits)
         part_strides = tuple(buffer.stride() for buffer in parts)

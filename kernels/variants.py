@@ -153,7 +153,7 @@ def _attention_source(kernels, variant):
                      BLOCK_SIZE=variant.block_size, BLOCK_N=config.block_n, X=x,
                      KV_FORMAT=kernels.FP8_FORMATS[variant.kv_cache_dtype], SCALES_IN_MEMORY=True,
                      HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, CONTIGUOUS_SLOTS=True,
-                     USE_DOT=config.use_dot, PREFETCH=config.prefetch, PART_TOKENS=contract.PARTITION_SIZE)
+                     USE_DOT=config.use_dot, PREFETCH=config.prefetch)
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 

@@ -21,8 +21,6 @@ BACKEND = get_backend("triton")
 SPLITTING_LIMITS = DeviceLimits(48 * 1024, 1024, 32, (7, 0))
 SPLITTING = get_backend("triton", limits=SPLITTING_LIMITS)
 BI_V100 = DeviceLimits(48 * 1024, 16, 64, (7, 0))
-# One SM (a wave of 8 programs): v2 hands each sequence's partitions out in runs, one program per run.
-RUNS = get_backend("triton", limits=DeviceLimits(48 * 1024, 1, 32, (7, 0)))
 
 
 # --- golden cases --------------------------------------------------------------------------------
@@ -90,37 +88,6 @@ def test_v2_sub_splits_match_reference(dtype, block_size, kv_cache_dtype, device
                                 kv_cache_dtype=kv_cache_dtype)
     outputs = golden.run_op(SPLITTING, inputs, "v2", device)
     golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
-
-
-@pytest.mark.parametrize("dtype,block_size,kv_cache_dtype,seq_lens,runs", [
-    (torch.float16, 16, "auto", [1, 300, 1200, 1600, 0], 1),    # 10 programs: one run of all 4 partitions
-    (torch.bfloat16, 8, "auto", [1300, 2000], 2),                # 4 programs: 2 runs of 2 partitions
-    (torch.float32, 32, "fp8_e4m3", [513, 1024, 40], 1),         # a run of 2, a sequence ending on a boundary
-])
-def test_v2_partition_runs_match_reference(dtype, block_size, kv_cache_dtype, seq_lens, runs, monkeypatch, device):
-    launches = []
-    launch = paged_attention_triton._Launcher.__call__
-
-    def recording(launcher, key, grid, *rest):
-        if launcher is paged_attention_triton._attention:
-            launches.append((key[-1], grid[2]))  # (PART_TOKENS, programs per sequence and head)
-        return launch(launcher, key, grid, *rest)
-
-    monkeypatch.setattr(paged_attention_triton._Launcher, "__call__", recording)
-    inputs = golden.random_case(dtype, 64, block_size, 4, 2, seq_lens, alibi=True, poison=True,
-                                kv_cache_dtype=kv_cache_dtype)
-    outputs = golden.run_op(RUNS, inputs, "v2", device)
-    assert launches == [(512, runs)]
-    golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
-
-
-def test_v2_partition_runs_are_planned_from_the_wave():
-    many = DeviceLimits(228 * 1024, 132, 32, (9, 0))
-    assert configs.choose_partition_runs(many, 1024, 64) == 1   # 128 x 32768 grouped (64/8): one run per sequence
-    assert configs.choose_partition_runs(many, 64, 64) == 16    # 8 x 32768: 16 runs of 4 partitions
-    assert configs.choose_partition_runs(many, 64, 16) == 0     # 8 x 8192: 1024 programs fit the wave
-    assert configs.choose_partition_runs(many, 8, 64) == 0      # 1 x 32768
-    assert configs.choose_partition_runs(BI_V100, 64, 16) == 2  # 16 SMs x 8
 
 
 def test_v2_sub_splits_are_planned_from_the_wave():
@@ -281,7 +248,7 @@ def test_bad_table_gives_nan_for_that_sequence_only(breaker, device):
     inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [100, 600, 40], poison=True)
     ref = golden.reference_for(inputs)
     breaker(inputs)
-    for backend in (BACKEND, SPLITTING, RUNS):
+    for backend in (BACKEND, SPLITTING):
         for version in golden.VERSIONS:
             outputs = golden.run_op(backend, inputs, version, device)
             assert torch.isnan(outputs["out"][1]).all()
