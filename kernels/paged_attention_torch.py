@@ -27,16 +27,16 @@ Per-call tensors (lengths, clamped block ids, written partitions, bad sequences,
 positions of tiles of whole sequences, the query in the matmul layout) are built once. Host cost
 matters as much as bandwidth here: an eager tensor op costs 10-20 us of host time on the H200's
 host, and a 2 GB call was host-bound at 4.3-4.7 ms against 2.7 ms of GPU time. The plain case (no
-ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") makes about 56 torch calls per tile
-(views included), 100 per call and 3 (one partition) to 25 per reduce.
+ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") makes 166 torch calls (views and
+tensor properties included) for a v1 call of 8 sequences in one tile, and 53 more per extra tile.
 
 Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included.
 Only the partition holding a sequence's last token mixes used and unused slots, so only it is
 masked: its logits are picked per sequence (``index_select``), set to -inf past the end and put
 back; of V, the block holding the last token is picked and zeroed past the end, the blocks after
 it in that partition are zeroed whole (``index_fill_``, in words) and the picked block is put back
-(0 * NaN would be NaN). Partitions wholly past the end are computed on whatever their clamped block ids
-hold and then discarded (``torch.where`` / ``masked_fill``, never a multiply).
+(0 * NaN would be NaN). Partitions wholly past the end are computed on whatever their clamped block
+ids hold and then discarded (``torch.where`` / ``masked_fill``, never a multiply).
 
 Memory traffic (what the speed rests on). The gather moves whole stored runs: where the matmuls take
 the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as words and
@@ -162,8 +162,8 @@ def _reduce_group(call, chunk, tile_parts):
 
 
 def peak_extra_bytes(call):
-    """Upper bound of the memory ``forward(call)`` allocates besides its arguments (a tile, a chunk's
-    partition results and reduce temporaries, per-call index tensors)."""
+    """Upper bound of the memory ``forward(call)`` allocates besides its arguments (a tile, a reduce group's
+    partition results and reduce temporaries, per-call tensors)."""
     mixed = _bmm_float32_out(call.query.device, call.query.dtype)
     columns, chunk, tile_parts, tile_bytes = _plan(call, mixed)
     heads, partitions, head_size = call.num_heads, max(call.max_num_partitions, 1), call.head_size
@@ -347,9 +347,9 @@ def _boundary(call, index, seqs, parts, columns, chunk):
 
 def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, queries, boundary=None):
     """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``. ``sources``: the
-    caches' ``_Source`` pair; ``queries``: the
-    call's query as [kv_heads, seqs, group, head_size] in the matmul dtype; ``boundary``: the tile's
-    entry of the call's ``_boundary`` where tiles hold whole sequences (else made here).
+    caches' ``_Source`` pair; ``queries``: the call's query as [kv_heads, seqs, group, head_size] in the
+    matmul dtype; ``boundary``: the tile's entry of the call's ``_boundary`` where tiles hold whole
+    sequences (else made here).
 
     Returns tensors shaped [kv_heads, chunk, tile_partitions, group] (x head_size for the output).
     """
