@@ -705,7 +705,8 @@ def main(argv=None):
                    "copy_counted": "bytes read + bytes written", "tolerance_rel_l2": TOLERANCE},
         "series": {s.name: {"available": s.backend is not None, "error": s.error, "note": s.note} for s in series},
         "copy_ceiling": ceiling, "copy_gbps": ceiling["start"]["gbps"],
-        "launch_overhead_us": None, "host_reference_us": None, "rows": [], "skipped": skipped, "notes": notes, "complete": False,
+        "launch_overhead_us": None, "host_reference_us": None, "rows": [], "skipped": skipped, "notes": notes,
+        "complete": False,
     }
     launch_calls = args.launch_calls or (1000 if device.type == "cuda" else 100)
     payload["launch_overhead_us"] = launch_overheads(series, device, launch_calls)
@@ -813,6 +814,17 @@ def _cell(result):
     return text
 
 
+_HOST_REFERENCE_NAMES = {"torch_add": "torch.add on a 1-element tensor",
+                         "triton_launch": "a 1-argument Triton kernel through kernel[grid](x)"}
+
+
+def _host_times(entries, names=None):
+    """``{name: {"us": ...} | {"failed": ...}}`` as "name 12.3 us, other failed" (``names`` relabels)."""
+    names = names or {}
+    return ", ".join(f"{names.get(name, name)} {value['us']:.1f} us" if "us" in value else f"{name} failed"
+                     for name, value in (entries or {}).items())
+
+
 def render_markdown(payload):
     env = payload["environment"]
     ceiling = payload["copy_ceiling"]
@@ -826,15 +838,10 @@ def render_markdown(payload):
              f"{payload['config']['copy_counted']}): {ceiling['start']['gbps']:.0f} GB/s at the start"
              + (f", {ceiling['end']['gbps']:.0f} GB/s at the end" if "end" in ceiling else "") + ".", ""]
     lines.append("Host-side launch overhead of one v1 call (1 x 64 tokens, heads 32/8, fp16; CPU clock, no wait): "
-                 + ", ".join(f"{name} {value['us']:.1f} us" if "us" in value else f"{name} failed"
-                             for name, value in (payload["launch_overhead_us"] or {}).items()) + ".")
-    references = payload.get("host_reference_us") or {}
-    if references:
-        described = {"torch_add": "torch.add on a 1-element tensor",
-                     "triton_launch": "a 1-argument Triton kernel through kernel[grid](x)"}
-        lines.append("Host speed of this machine, timed the same way: " + ", ".join(
-            f"{described.get(name, name)} {value['us']:.1f} us" if "us" in value else f"{name} failed"
-            for name, value in references.items()) + ".")
+                 + _host_times(payload["launch_overhead_us"]) + ".")
+    if payload.get("host_reference_us"):
+        lines.append("Host speed of this machine, timed the same way: "
+                     + _host_times(payload["host_reference_us"], _HOST_REFERENCE_NAMES) + ".")
     lines.append("")
     names = _series_columns(payload)
     header = ["dtype", "heads q/kv", "seqs x tokens", "K+V MB", "vLLM picks"] + names + ["torch peak extra MB",
@@ -942,10 +949,8 @@ def check_targets(payload):
 
 def print_summary(payload, paths):
     print(f"copy ceiling {payload['copy_gbps']:.0f} GB/s; launch overhead (v1, tiny): "
-          + ", ".join(f"{n} {v['us']:.1f} us" if "us" in v else f"{n} failed"
-                      for n, v in payload["launch_overhead_us"].items())
-          + "; host references: " + ", ".join(f"{n} {v['us']:.1f} us" if "us" in v else f"{n} failed"
-                                              for n, v in (payload.get("host_reference_us") or {}).items()))
+          + _host_times(payload["launch_overhead_us"]) + "; host references: "
+          + _host_times(payload.get("host_reference_us")))
     shown = [n for n in payload["series"] if not n.endswith(("_v1", "_v2"))]
     shown = [n for name in shown for n in ((name, name + "_best") if name.startswith("triton") else (name,))]
     shown.append("sdpa")
