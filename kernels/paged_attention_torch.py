@@ -362,7 +362,7 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
     key_source, value_source = sources
 
     blocks = index.block_ids[seqs, parts.start * columns:parts.stop * columns].reshape(-1)
-    dtype = call.query.dtype if mixed else torch.float32  # float32 where bmm cannot take half inputs
+    dtype = queries.dtype  # the matmul dtype
     key_table, value_table = scaled_tables
     keys = _gather(key_source, blocks, dtype, key_table)
     values = _gather(value_source, blocks, dtype, value_table)  # [head_size, kv_heads, tile blocks, block_size]
@@ -464,18 +464,18 @@ def forward(call):
     compute_dtype = call.query.dtype
     mixed = _bmm_float32_out(call.query.device, compute_dtype)
     columns, chunk, tile_parts, _ = _plan(call, mixed)
+    matmul_dtype = compute_dtype if mixed else torch.float32  # float32 where bmm cannot take half inputs
     index = _index(call, columns)
 
     scaled_tables = (None, None)
     if call.kv_cache_dtype != "auto":
         # Where the matmuls upcast anyway, decode straight to float32 (rounded to the query dtype first).
-        table_dtype = compute_dtype if mixed else torch.float32
         scaled_tables = tuple(fp8.scaled_table(call.kv_cache_dtype, scale, compute_dtype, call.query.device)
-                              .to(table_dtype) for scale in (call.k_scale, call.v_scale))
+                              .to(matmul_dtype) for scale in (call.k_scale, call.v_scale))
     key_cache, value_cache = _caches(call)
     sources = (_Source(key_cache, _KEY_ORDER, _KEY_WORD_BYTES), _Source(value_cache, _VALUE_ORDER, _VALUE_WORD_BYTES))
     kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
-    queries = call.query.unflatten(1, (kv_heads, group)).transpose(0, 1).to(compute_dtype if mixed else torch.float32)
+    queries = call.query.unflatten(1, (kv_heads, group)).transpose(0, 1).to(matmul_dtype)
     reduced = _reduce_group(call, chunk, tile_parts)
     boundaries = None
     if tile_parts >= partitions:  # tiles of whole sequences: the boundaries of all tiles at once
