@@ -147,12 +147,14 @@ def choose_subsplits(limits, programs, partitions, partition_size, block_n):
     there are SMs; then as many as one wave of resident programs holds, each at least
     ``MIN_TOKENS_PER_SPLIT`` tokens and a whole number of steps. On the H200 (two bench runs of 2026-12-03)
     they took grouped-query 1 x 2048 from 31 to 17 us and 1 x 8192 from 57 to 32 us, but grids of 256 and
-    more programs lost 3-9 us to the extra partition kernel (8 x 2048: 41 -> 47 us)."""
+    more programs lost 3-9 us to the extra partition kernel (8 x 2048: 41 -> 47 us; that kernel is now
+    one with the reduce)."""
     if programs * partitions >= limits.multiprocessor_count:
         return 1
     wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     subs = 1
     while (subs < MAX_SUBSPLITS and programs * partitions * subs * 2 <= wave
+           and _next_power_of_2(partitions) * subs * 2 <= REDUCE_MAX_SPLITS  # one tile in partition_reduce_tile
            and partition_size // (subs * 2) >= MIN_TOKENS_PER_SPLIT and (partition_size // (subs * 2)) % block_n == 0):
         subs *= 2
     return subs
@@ -167,3 +169,13 @@ def reduce_tile(num_splits, head_size):
     splits_block = max(1, min(_next_power_of_2(num_splits), REDUCE_MAX_SPLITS))
     dims_block = min(head_pad, max(MIN_REDUCE_DIMS, REDUCE_TILE // splits_block))
     return splits_block, dims_block
+
+
+def partition_reduce_tile(partitions, subs, head_size):
+    """``_partition_reduce_kernel``'s tile: ``(parts_block, dims_block)``, every partition's ``subs``
+    sub-splits (``choose_subsplits`` keeps them within ``REDUCE_MAX_SPLITS``) by head dims per program,
+    at most ``REDUCE_TILE`` float32 values where ``MIN_REDUCE_DIMS`` dims allow it."""
+    head_pad = _next_power_of_2(head_size)
+    parts_block = _next_power_of_2(max(partitions, 1))
+    dims_block = min(head_pad, max(MIN_REDUCE_DIMS, REDUCE_TILE // (parts_block * subs)))
+    return parts_block, dims_block

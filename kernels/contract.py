@@ -65,6 +65,7 @@ class DecodeCall:
 
 _TENSOR = torch.Tensor
 _INT32 = torch.int32
+_FLOAT32 = torch.float32
 
 
 def _fail(argument, allowed, got):
@@ -187,7 +188,12 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
         v_scale = _scalar_scale("v_scale", v_scale, device)
 
     max_num_partitions = (max_seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE
-    if exp_sums is not None or max_logits is not None or tmp_out is not None:
+    v2 = exp_sums is not None or max_logits is not None or tmp_out is not None
+    if v2 and not (type(exp_sums) is _TENSOR and type(max_logits) is _TENSOR and type(tmp_out) is _TENSOR
+                   and exp_sums.dtype == _FLOAT32 and max_logits.dtype == _FLOAT32 and tmp_out.dtype == dtype
+                   and exp_sums.dim() == 3 and exp_sums.shape[2] >= max_num_partitions
+                   and exp_sums.shape == (num_seqs, num_heads, exp_sums.shape[2]) == max_logits.shape
+                   and tmp_out.shape == (num_seqs, num_heads, exp_sums.shape[2], head_size)):
         _check_v2_buffers(query, num_seqs, num_heads, head_size, max_num_partitions, exp_sums, max_logits, tmp_out)
 
     # get_device() (an int: the CUDA index, -1 for the CPU, meta, ...) is cheaper than comparing torch.device
@@ -195,7 +201,9 @@ def check_call(out, query, key_cache, value_cache, num_kv_heads, scale, block_ta
     device_index = query.get_device()
     if device_index < 0 or out.get_device() != device_index or key_cache.get_device() != device_index \
             or value_cache.get_device() != device_index or block_tables.get_device() != device_index \
-            or seq_lens.get_device() != device_index or alibi_slopes is not None or exp_sums is not None:
+            or seq_lens.get_device() != device_index or alibi_slopes is not None \
+            or (v2 and (exp_sums.get_device() != device_index or max_logits.get_device() != device_index
+                        or tmp_out.get_device() != device_index)):
         _check_devices(device, device_index, out=out, key_cache=key_cache, value_cache=value_cache,
                        block_tables=block_tables, seq_lens=seq_lens, alibi_slopes=alibi_slopes, exp_sums=exp_sums,
                        max_logits=max_logits, tmp_out=tmp_out)

@@ -21,7 +21,7 @@ into the scale). A split either is the whole sequence (writes ``out``) or a toke
 writes its max logit, sum of exp and self-normalised output; ``_reduce_kernel`` combines the valid
 splits. v1 picks its own splits to fill one wave of resident programs; v2 uses vLLM's 512-token
 partitions and buffers, and where they leave SMs idle cuts each into sub-splits that
-``_partition_kernel`` combines into the partition outputs before the reduce.
+``_partition_reduce_kernel`` combines into the partition outputs and reduces, in one launch.
 
 Language: only what Triton 2.3 has (``tl.math.exp2``, ``tl.static_range``, ``.to()``, plain ``range``).
 A sequence whose length exceeds ``max_seq_len`` or its block-table row, or that uses a block id
@@ -421,54 +421,81 @@ def _reduce_kernel(
              result.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-@triton.jit(do_not_specialize=["sub_tokens"])
-def _partition_kernel(
+@triton.jit(do_not_specialize=["table_columns", "max_seq_len", "sub_tokens", "partitions"])
+def _partition_reduce_kernel(
+    out_ptr, stride_o0, stride_o1, stride_o2,
     tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
     exp_sums_ptr, stride_e0, stride_e1, stride_e2,
     max_logits_ptr, stride_m0, stride_m1, stride_m2,
     sub_tmp_ptr, stride_st0, stride_st1, stride_st2, stride_st3,
     sub_sums_ptr, stride_se0, stride_se1, stride_se2,
     sub_max_ptr, stride_sm0, stride_sm1, stride_sm2,
-    seq_lens_ptr, head_size, sub_tokens,
-    SUBS: tl.constexpr, HEAD_PAD: tl.constexpr,
+    seq_lens_ptr, head_size, block_size, table_columns, max_seq_len, sub_tokens, partitions,
+    SUBS: tl.constexpr, PARTS_BLOCK: tl.constexpr, DIMS_BLOCK: tl.constexpr,
 ):
-    """Grid (num_seqs, num_heads, partitions): v2's partition outputs (tmp_out, exp_sums, max_logits, as
-    vLLM's kernel defines them for its 512-token partition) from the SUBS sub-splits the attention kernel
-    wrote for it: max = max_s max_s, w_s = exp_sum_s * exp(max_s - max), exp_sum = sum_s w_s,
-    tmp_out = sum_s out_s * w_s / (exp_sum + 1e-6). Written where the partition holds tokens; a NaN
-    sub-split (bad block or sequence) makes the partition NaN."""
+    """Grid (num_seqs, num_heads, dim chunks of DIMS_BLOCK): v2 from sub-splits in one kernel. First
+    vLLM's partition outputs from the SUBS sub-splits the attention kernel wrote for each partition
+    (max = max_s max_s, w_s = exp_sum_s * exp(max_s - max), exp_sum = sum_s w_s, tmp_out = sum_s out_s
+    * w_s / (exp_sum + 1e-6); a NaN sub-split makes its partition NaN), written where the partition
+    holds tokens; then ``_reduce_kernel``'s combination of those partitions (from tmp_out as stored, in
+    the query dtype, as vLLM's reduce reads it) into ``out``. All partitions in one [PARTS_BLOCK, SUBS,
+    DIMS_BLOCK] load: a launch fewer than a partition kernel followed by the reduce."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    part = tl.program_id(2)
-    seq_len = tl.maximum(tl.load(seq_lens_ptr + seq), 0)
-    written = part * SUBS * sub_tokens < seq_len
-    subs = part * SUBS + tl.arange(0, SUBS)
-    sub_ok = subs * sub_tokens < seq_len  # the sub-splits the attention kernel wrote
-    dims = tl.arange(0, HEAD_PAD)
+    dim_chunk = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_bad = (seq_len < 0) | (seq_len > max_seq_len) | (seq_len > table_columns * block_size)
+    written_len = tl.maximum(seq_len, 0)
+    parts = tl.arange(0, PARTS_BLOCK)
+    in_grid = parts < partitions
+    subs = parts[:, None] * SUBS + tl.arange(0, SUBS)[None, :]
+    sub_ok = (subs * sub_tokens < written_len) & in_grid[:, None]  # the sub-splits the attention kernel wrote
+    written = (parts * SUBS * sub_tokens < written_len) & in_grid
+    dims = dim_chunk * DIMS_BLOCK + tl.arange(0, DIMS_BLOCK)
     dim_ok = dims < head_size
 
     sub_max = tl.load(sub_max_ptr + seq * stride_sm0 + head * stride_sm1 + subs * stride_sm2, mask=sub_ok,
                       other=float("-inf"))
     sub_sum = tl.load(sub_sums_ptr + seq * stride_se0 + head * stride_se1 + subs * stride_se2, mask=sub_ok,
                       other=0.0)
-    broken = tl.sum((sub_max != sub_max).to(tl.int32), axis=0) > 0
-    top = tl.max(tl.where(sub_max != sub_max, float("-inf"), sub_max), axis=0)
-    weight = tl.where(sub_ok, sub_sum * tl.math.exp2((sub_max - top) * 1.4426950408889634), 0.0)
-    sub_out = tl.load(sub_tmp_ptr + seq.to(tl.int64) * stride_st0 + head * stride_st1 + subs[:, None] * stride_st2
-                      + dims[None, :] * stride_st3, mask=sub_ok[:, None] & dim_ok[None, :], other=0.0)
-    total = tl.sum(weight, axis=0)
-    result = tl.sum(sub_out * weight[:, None], axis=0) / (total + 1e-6)
+    part_broken = tl.sum((sub_max != sub_max).to(tl.int32), axis=1) > 0
+    part_top = tl.max(tl.where(sub_max != sub_max, float("-inf"), sub_max), axis=1)
+    shift = tl.where(part_top == float("-inf"), 0.0, part_top)  # (no -inf - -inf for empty partitions)
+    weight = tl.where(sub_ok, sub_sum * tl.math.exp2((sub_max - shift[:, None]) * 1.4426950408889634), 0.0)
+    part_total = tl.sum(weight, axis=1)
+    sub_out = tl.load(sub_tmp_ptr + seq.to(tl.int64) * stride_st0 + head * stride_st1
+                      + subs[:, :, None] * stride_st2 + dims[None, None, :] * stride_st3,
+                      mask=sub_ok[:, :, None] & dim_ok[None, None, :], other=0.0)
+    part_out = tl.sum(sub_out * weight[:, :, None], axis=1) / (part_total[:, None] + 1e-6)
+    part_out = tl.where(part_broken[:, None], float("nan"), part_out)
+    part_max = tl.where(part_broken, float("nan"), part_top)
+    part_sum = tl.where(part_broken, float("nan"), part_total)
+
+    # The reduce over the partitions that hold tokens, as _reduce_kernel does it.
+    usable_len = tl.where(seq_bad, 0, seq_len)
+    used = tl.minimum((usable_len + SUBS * sub_tokens - 1) // (SUBS * sub_tokens), partitions)
+    part_ok = parts < used
+    broken = seq_bad | (tl.sum((part_ok & part_broken).to(tl.int32), axis=0) > 0)
+    top = tl.max(tl.where(part_ok & (part_max == part_max), part_max, float("-inf")), axis=0)
+    stored = tl.where(part_ok[:, None], part_out.to(tmp_ptr.dtype.element_ty).to(tl.float32), 0.0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    part_weight = tl.where(part_ok, part_sum * tl.math.exp2((part_max - top) * 1.4426950408889634), 0.0)
+    part_weight = tl.where(used == 1, tl.where(part_ok, 1.0, 0.0), part_weight)
+    denominator = tl.where(used == 1, 1.0, tl.sum(part_weight, axis=0) + 1e-6)
+    result = tl.sum(stored * part_weight[:, None], axis=0) / denominator
     result = tl.where(broken, float("nan"), result)
-    tl.store(tmp_ptr + seq.to(tl.int64) * stride_t0 + head * stride_t1 + part * stride_t2 + dims * stride_t3,
-             result.to(tmp_ptr.dtype.element_ty), mask=dim_ok & written)
-    # The two statistics go out as one lane of a SUBS-wide store: Triton 3.0's interpreter ignores the mask
-    # of a scalar store.
-    lane = tl.arange(0, SUBS)
-    one_lane = (lane == 0) & written
-    tl.store(exp_sums_ptr + seq * stride_e0 + head * stride_e1 + part * stride_e2 + lane * 0,
-             tl.zeros([SUBS], dtype=tl.float32) + tl.where(broken, float("nan"), total), mask=one_lane)
-    tl.store(max_logits_ptr + seq * stride_m0 + head * stride_m1 + part * stride_m2 + lane * 0,
-             tl.zeros([SUBS], dtype=tl.float32) + tl.where(broken, float("nan"), top), mask=one_lane)
+
+    kill = broken & part_ok  # a broken head's used partitions all become NaN (as _reduce_kernel marks them)
+    tl.store(tmp_ptr + seq.to(tl.int64) * stride_t0 + head * stride_t1 + parts[:, None] * stride_t2
+             + dims[None, :] * stride_t3, tl.where(kill[:, None], float("nan"), part_out).to(tmp_ptr.dtype.element_ty),
+             mask=written[:, None] & dim_ok[None, :])
+    stats_mask = written & (dim_chunk == 0)  # one program per head writes the head's statistics
+    tl.store(exp_sums_ptr + seq * stride_e0 + head * stride_e1 + parts * stride_e2,
+             tl.where(kill, float("nan"), part_sum), mask=stats_mask)
+    tl.store(max_logits_ptr + seq * stride_m0 + head * stride_m1 + parts * stride_m2,
+             tl.where(kill, float("nan"), part_max), mask=stats_mask)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + head * stride_o1 + dims * stride_o2,
+             result.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 class _Launcher:
@@ -519,7 +546,7 @@ _DIRECT_LAUNCH = _direct_launch_available()
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _attention = _Launcher(_attention_kernel)
 _reduce = _Launcher(_reduce_kernel)
-_partition = _Launcher(_partition_kernel)
+_partition_reduce = _Launcher(_partition_reduce_kernel)
 
 
 def _scale_argument(value, device):
@@ -574,19 +601,22 @@ class _Plan:
                  "dense_args")
 
     def splits_for(self, call):
-        """(num_splits, tokens_per_split, subs): v1 its own split-KV (``subs`` 1); v2 vLLM's 512-token
-        partitions, each cut into ``subs`` sub-splits where the grid is small (combined into the partition
-        outputs by ``_partition_kernel``)."""
+        """(num_splits, tokens_per_split, subs, reduce tile): v1 its own split-KV (``subs`` 1); v2 vLLM's
+        512-token partitions, each cut into ``subs`` sub-splits where the grid is small (combined into the
+        partition outputs and ``out`` by ``_partition_reduce_kernel``); the tile of the kernel that reduces."""
         found = self.splits.get(call.max_seq_len)
         if found is None:
             if call.exp_sums is not None:
                 partitions = max(call.max_num_partitions, 1)
                 subs = configs.choose_subsplits(self.limits, self.programs, partitions, PARTITION_SIZE,
                                                 self.config.block_n)
-                found = (partitions * subs, PARTITION_SIZE // subs, subs)
+                tile = (configs.partition_reduce_tile(partitions, subs, call.head_size) if subs > 1
+                        else configs.reduce_tile(partitions, call.head_size))
+                found = (partitions * subs, PARTITION_SIZE // subs, subs, tile)
             else:
-                found = configs.choose_splits(self.limits, self.programs, call.max_seq_len,
-                                              self.config.block_n) + (1,)
+                splits, tokens = configs.choose_splits(self.limits, self.programs, call.max_seq_len,
+                                                       self.config.block_n)
+                found = (splits, tokens, 1, configs.reduce_tile(splits, call.head_size))
             if len(self.splits) > 4096:  # one entry per max_seq_len seen: keep it bounded
                 self.splits.clear()
             self.splits[call.max_seq_len] = found
@@ -646,7 +676,7 @@ def _contiguous_slots(call, key_strides, value_strides):
 def _launch(call, plan):
     query, out, key_cache, value_cache = call.query, call.out, call.key_cache, call.value_cache
     device = call.device
-    num_splits, tokens_per_split, subs = plan.splits_for(call)
+    num_splits, tokens_per_split, subs, tile = plan.splits_for(call)
     out_strides = out.stride()
     if call.exp_sums is not None and subs == 1:
         partial = True
@@ -699,30 +729,27 @@ def _launch(call, plan):
     _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
                device, args, tensors, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
                                                    CONTIGUOUS_SLOTS=_contiguous_slots(call, *cache_strides[1:3])))
-    if subs > 1:  # v2 from sub-splits: vLLM's partition outputs first, then the usual reduce over them
+    if subs > 1:  # v2 from sub-splits: vLLM's partition outputs and the reduce over them, one kernel
         parts = (call.tmp_out, call.exp_sums, call.max_logits)
         part_strides = tuple(buffer.stride() for buffer in parts)
         part_at = [buffer.data_ptr() for buffer in parts]
-        args = (part_at[0], *part_strides[0], part_at[1], *part_strides[1], part_at[2], *part_strides[2],
-                tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at, call.head_size,
-                tokens_per_split)
-        num_splits //= subs
-        _partition((plan.token, part_strides, split_strides, _alignment(part_at + [tmp_at, sums_at, max_at, lens_at]),
-                    subs), (call.num_seqs, call.num_heads, num_splits), device, args,
-                   parts + (tmp, exp_sums, max_logits, seq_lens),
-                   lambda: dict(SUBS=subs, HEAD_PAD=plan.constants["HEAD_PAD"], num_warps=configs.REDUCE_NUM_WARPS,
-                                num_stages=1))
-        partial, (tmp, exp_sums, max_logits), split_strides = True, parts, part_strides
-        (tmp_at, sums_at, max_at), (tmp_strides, sum_strides, max_strides) = part_at, part_strides
-        tokens_per_split = PARTITION_SIZE
-    if partial:
-        splits_block, dims_block = configs.reduce_tile(num_splits, call.head_size)
-        reduce_tensors = (out, tmp, exp_sums, max_logits, seq_lens)
+        args = (out_at, *out_strides, part_at[0], *part_strides[0], part_at[1], *part_strides[1], part_at[2],
+                *part_strides[2], tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
+                call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,
+                num_splits // subs)
+        _partition_reduce((plan.token, out_strides, part_strides, split_strides,
+                           _alignment([out_at] + part_at + [tmp_at, sums_at, max_at, lens_at]), subs, tile),
+                          (call.num_seqs, call.num_heads, plan.constants["HEAD_PAD"] // tile[1]), device, args,
+                          (out,) + parts + (tmp, exp_sums, max_logits, seq_lens),
+                          lambda: dict(SUBS=subs, PARTS_BLOCK=tile[0], DIMS_BLOCK=tile[1],
+                                       num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))
+    elif partial:
         reduce_aligned = _alignment((out_at, tmp_at, sums_at, max_at, lens_at))
         args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
                 call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,
                 num_splits)
-        _reduce((plan.token, out_strides, split_strides, reduce_aligned, splits_block, dims_block),
-                (call.num_seqs, call.num_heads, plan.constants["HEAD_PAD"] // dims_block), device, args,
-                reduce_tensors, lambda: dict(SPLITS_BLOCK=splits_block, DIMS_BLOCK=dims_block,
-                                             num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))
+        _reduce((plan.token, out_strides, split_strides, reduce_aligned, tile),
+                (call.num_seqs, call.num_heads, plan.constants["HEAD_PAD"] // tile[1]), device, args,
+                (out, tmp, exp_sums, max_logits, seq_lens),
+                lambda: dict(SPLITS_BLOCK=tile[0], DIMS_BLOCK=tile[1], num_warps=configs.REDUCE_NUM_WARPS,
+                             num_stages=1))

@@ -32,7 +32,8 @@ _UNIT_STRIDES = ("stride_o2", "stride_t3", "stride_e2", "stride_m2", "stride_q2"
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """``kernel`` is "attention", "reduce" or "partition"; ``config`` a ``configs.KernelConfig`` (attention),
-    ``(subs, num_warps)`` (partition) or ``(splits_block, dims_block, num_warps, scratch dtype)`` (reduce).
+    ``(subs, parts_block, dims_block, num_warps)`` (partition: v2's sub-split combine and reduce) or
+    ``(splits_block, dims_block, num_warps, scratch dtype)`` (reduce).
     Reduce and partition variants have ``block_size`` 0: they do not depend on it."""
 
     kernel: str
@@ -69,9 +70,13 @@ def variant_list(limits):
                 found += [Variant("reduce", head_size, 0, _DTYPE_NAMES[dtype], "auto",
                                   (splits_block, dims_block, configs.REDUCE_NUM_WARPS, scratch))
                           for splits_block, dims_block in sorted(tiles)]
-            # v2's sub-split combine (writes tmp_out in the query dtype): its most sub-splits.
-            found.append(Variant("partition", head_size, 0, _DTYPE_NAMES[dtype], "auto",
-                                 (configs.MAX_SUBSPLITS, configs.REDUCE_NUM_WARPS)))
+            # v2's sub-split combine and reduce (writes tmp_out in the query dtype): its most sub-splits and
+            # partitions, and its widest tile.
+            for subs, partitions in ((configs.MAX_SUBSPLITS, configs.REDUCE_MAX_SPLITS // configs.MAX_SUBSPLITS),
+                                     (2, 1)):
+                found.append(Variant("partition", head_size, 0, _DTYPE_NAMES[dtype], "auto",
+                                     (subs, *configs.partition_reduce_tile(partitions, subs, head_size),
+                                      configs.REDUCE_NUM_WARPS)))
     return found
 
 
@@ -113,7 +118,8 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
             "kernel": variant.kernel, "head_size": variant.head_size, "block_size": variant.block_size,
             "dtype": variant.dtype, "kv_cache_dtype": variant.kv_cache_dtype,
             "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config)
-            else {"subs": config[0], "num_warps": config[1]} if variant.kernel == "partition"
+            else {"subs": config[0], "parts_block": config[1], "dims_block": config[2], "num_warps": config[3]}
+            if variant.kernel == "partition"
             else {"splits_block": config[0], "dims_block": config[1], "num_warps": config[2],
                   "scratch_dtype": config[3]},
             "shared_bytes": shared, "ok": error is None, "error": error})
@@ -158,9 +164,9 @@ def _attention_source(kernels, variant):
 
 
 def _partition_source(kernels, variant):
-    subs, num_warps = variant.config
-    constants = dict(SUBS=subs, HEAD_PAD=configs._next_power_of_2(variant.head_size))
-    return kernels._partition_kernel, constants, dict(num_warps=num_warps, num_stages=1)
+    subs, parts_block, dims_block, num_warps = variant.config
+    constants = dict(SUBS=subs, PARTS_BLOCK=parts_block, DIMS_BLOCK=dims_block)
+    return kernels._partition_reduce_kernel, constants, dict(num_warps=num_warps, num_stages=1)
 
 
 def _reduce_source(variant):

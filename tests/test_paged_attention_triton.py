@@ -99,6 +99,35 @@ def test_v2_sub_splits_are_planned_from_the_wave():
     assert configs.choose_subsplits(many, 1, 1, 512, 32) == configs.MAX_SUBSPLITS
     assert configs.choose_subsplits(BI_V100, 8, 4, 512, 16) == 1    # 32 programs fill 16 SMs
     assert configs.choose_subsplits(BI_V100, 2, 2, 512, 16) == 8    # 4 programs: 16 SMs x 8 hold 32
+    assert configs.choose_subsplits(many, 1, 64, 512, 16) == 4      # 64 partitions x 4: the reduce's 256 splits
+
+
+def test_partition_reduce_tile_holds_every_sub_split():
+    assert configs.partition_reduce_tile(4, 8, 128) == (4, 128)     # 1 x 2048: 32 sub-splits, all dims
+    assert configs.partition_reduce_tile(16, 8, 128) == (16, 32)    # 1 x 8192: 128 sub-splits, 4 dim chunks
+    assert configs.partition_reduce_tile(3, 2, 80) == (4, 128)
+    assert configs.partition_reduce_tile(64, 4, 256) == (64, 16)
+
+
+def test_partition_reduce_in_dim_chunks(monkeypatch, device):
+    # v2 from sub-splits with a 16-dim tile: the one kernel that writes the partitions and reduces them
+    # splits a head's dims over programs; a broken sequence still turns its out and partitions into NaN.
+    monkeypatch.setattr(configs, "REDUCE_TILE", 64)
+    launched = []
+    launcher = paged_attention_triton._partition_reduce
+    monkeypatch.setattr(paged_attention_triton, "_partition_reduce",
+                        lambda key, grid, *rest: launched.append(grid) or launcher(key, grid, *rest))
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [1200, 1700, 40], alibi=True, poison=True)
+    ref = golden.reference_for(inputs)
+    golden.BAD_TABLE_BREAKERS[0](inputs)
+    outputs = golden.run_op(get_backend("triton", limits=SPLITTING_LIMITS), inputs, "v2", device)
+    assert launched and launched[0][2] == 4  # 64 dims in chunks of 16
+    assert torch.isnan(outputs["out"][1]).all()
+    for name in ("max_logits", "exp_sums", "tmp_out"):
+        assert torch.isnan(outputs[name][1, :, :4]).all()
+    good = [0, 2]
+    golden.check_against_reference({k: v[good] for k, v in outputs.items()},
+                                   {k: v[good] for k, v in ref.items()}, golden.random_tolerance(inputs))
 
 
 def test_reduce_in_several_loads_and_dim_chunks(monkeypatch, device):
