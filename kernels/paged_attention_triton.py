@@ -13,7 +13,8 @@ the query rows of every query head sharing its kv head and walks its split's tok
 time through the block table, with 16-byte vector loads (masks per step and per 8 dims, never per
 token). Block ids are loaded a step ahead of their K and V, so the address of a step's loads never
 waits on a load of the same step (and Triton's pipeliner multi-buffers them); whole steps run without
-token masks, only the split's last, partial step masks its tokens. Scores and output come from
+token masks, only the split's last, partial step masks its tokens (and where head_size fills its power-of-2
+tile, the pipelined ``tl.dot`` path loads whole steps with no mask at all). Scores and output come from
 ``tl.dot`` (G padded to >= 16 rows) or, for one query row, from float32 broadcast products
 (``USE_DOT``); the next step's loads are issued by the kernel itself or left to Triton's pipeliner
 (``PREFETCH``). An online softmax in float32 uses exp2 (log2(e) folded
@@ -133,11 +134,13 @@ def _step_ids(table_row, stride_bt1, first, end, offs_n, BLOCK_SIZE: tl.constexp
 @triton.jit
 def _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0,
                key_slot_stride, stride_v0, stride_v2, stride_v3,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr):
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr,
+               UNMASKED: tl.constexpr):
     """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] and the
     number of out-of-range block ids met. ``ids`` come from ``_step_ids``; a scalar id keeps V's rows
     contiguous (vector loads). Load masks are per step (a scalar) and per 8 dims only: a per-token mask would
-    split every vector load. Unused slots and bad ids read block 0 (in bounds); the caller masks them."""
+    split every vector load; ``UNMASKED``: none (a whole step inside the sequence, head_size == HEAD_PAD).
+    Unused slots and bad ids read block 0 (in bounds); the caller masks them."""
     step_ok = (first < end) & (num_blocks > 0)
     if BLOCK_N == BLOCK_SIZE:
         block_bad = (first < end) & ((ids < 0) | (ids >= num_blocks))
@@ -159,8 +162,12 @@ def _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims
             else:
                 value_rows = tl.max_contiguous(tl.multiple_of(value_rows, BLOCK_N), BLOCK_N)
         value_ptrs = value_head + value_rows[:, None] + dims[None, :] * stride_v2
-    k = tl.load(key_ptrs, mask=dim_ok[:, None] & step_ok, other=0)
-    v = tl.load(value_ptrs, mask=dim_ok[None, :] & step_ok, other=0)
+    if UNMASKED:
+        k = tl.load(key_ptrs)
+        v = tl.load(value_ptrs)
+    else:
+        k = tl.load(key_ptrs, mask=dim_ok[:, None] & step_ok, other=0)
+        v = tl.load(value_ptrs, mask=dim_ok[None, :] & step_ok, other=0)
     return k, v, bad
 
 
@@ -224,11 +231,12 @@ def _attention_kernel(
     HEADS_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     X: tl.constexpr, KV_FORMAT: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr, USE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, UNMASKED_STEPS: tl.constexpr,
 ):
     """Grid (num_kv_heads * head_chunks, num_seqs, num_splits); split s covers tokens
     [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence. Head sizes are runtime values
-    (a multiple of 8, padded to HEAD_PAD): one compiled kernel serves 80 ... 128."""
+    (a multiple of 8, padded to HEAD_PAD): one compiled kernel serves 80 ... 128. ``UNMASKED_STEPS``
+    (head_size == HEAD_PAD, Triton's pipeliner): whole steps load without masks."""
     kv_head = tl.program_id(0) // head_chunks
     chunk = tl.program_id(0) % head_chunks
     head_size = tl.multiple_of(head_size, 8)
@@ -294,6 +302,8 @@ def _attention_kernel(
     # Whole steps run unmasked; the last, partial step (if any) masks its tokens: the main loop's V goes
     # from memory to the dot operand without a select in between.
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    if UNMASKED_STEPS:  # an empty cache has no block 0 to read: there every step stays masked
+        full_end = tl.where(num_blocks > 0, full_end, start)
     bad_blocks = 0
     ids = _step_ids(table_row, stride_bt1, start, end, offs_n, BLOCK_SIZE, BLOCK_N)
     if PREFETCH:
@@ -301,19 +311,19 @@ def _attention_kernel(
         # flight while this step computes, the block ids two steps ahead.
         k, v, bad_blocks = _load_step(key_head, value_head, ids, start, end, num_blocks, key_dims, dims, dim_ok,
                                       offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
-                                      BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+                                      BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS, False)
         ids = _step_ids(table_row, stride_bt1, start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
     for first in range(start, full_end, BLOCK_N):
         if PREFETCH:
             k_next, v_next, bad_next = _load_step(key_head, value_head, ids, first + BLOCK_N, end, num_blocks,
                                                   key_dims, dims, dim_ok, offs_n, stride_k0, key_slot_stride,
                                                   stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N,
-                                                  CONTIGUOUS_SLOTS)
+                                                  CONTIGUOUS_SLOTS, False)
             ids = _step_ids(table_row, stride_bt1, first + 2 * BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         else:  # Triton's pipeliner (num_stages > 1) overlaps the loads where the GPU has async copies
             k, v, bad_step = _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims, dim_ok,
                                         offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
-                                        BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+                                        BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS, UNMASKED_STEPS)
             ids = _step_ids(table_row, stride_bt1, first + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
             bad_blocks += bad_step
         m_i, l_i, acc = _attend_step(q, k, v, first + offs_n, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
@@ -327,7 +337,7 @@ def _attention_kernel(
         if not PREFETCH:  # (the prefetching loop has already loaded this step)
             k, v, bad_step = _load_step(key_head, value_head, ids, full_end, end, num_blocks, key_dims, dims, dim_ok,
                                         offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
-                                        BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS)
+                                        BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS, False)
             bad_blocks += bad_step
         m_i, l_i, acc = _attend_step(q, k, v, full_end + offs_n, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
                                      sparse_offset, query_sparse_block, sparse_block_size, sparse_vert_stride,
@@ -651,7 +661,9 @@ def _plan(call, limits):
         HEADS_BLOCK=config.heads_block, HEAD_PAD=triton.next_power_of_2(call.head_size), BLOCK_SIZE=call.block_size,
         BLOCK_N=config.block_n, X=call.x, KV_FORMAT=FP8_FORMATS[call.kv_cache_dtype],
         HAS_ALIBI=call.alibi_slopes is not None, IS_SPARSE=call.blocksparse is not None,
-        USE_DOT=config.use_dot, PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=config.num_stages)
+        USE_DOT=config.use_dot, PREFETCH=config.prefetch,
+        UNMASKED_STEPS=configs.unmasked_steps(config, call.head_size), num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return plan
 
 

@@ -45,7 +45,8 @@ class Variant:
 
     def compile_key(self):
         """What the compiled code depends on: variants with equal keys share one binary."""
-        return (self.kernel, configs._next_power_of_2(self.head_size), self.block_size, self.dtype,
+        unmasked = self.kernel == "attention" and configs.unmasked_steps(self.config, self.head_size)
+        return (self.kernel, configs._next_power_of_2(self.head_size), unmasked, self.block_size, self.dtype,
                 self.kv_cache_dtype, self.config)
 
 
@@ -159,7 +160,8 @@ def _attention_source(kernels, variant):
                      BLOCK_SIZE=variant.block_size, BLOCK_N=config.block_n, X=x,
                      KV_FORMAT=kernels.FP8_FORMATS[variant.kv_cache_dtype], SCALES_IN_MEMORY=True,
                      HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, CONTIGUOUS_SLOTS=True,
-                     USE_DOT=config.use_dot, PREFETCH=config.prefetch)
+                     USE_DOT=config.use_dot, PREFETCH=config.prefetch,
+                     UNMASKED_STEPS=configs.unmasked_steps(config, variant.head_size))
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 

@@ -21,6 +21,8 @@ BACKEND = get_backend("triton")
 SPLITTING_LIMITS = DeviceLimits(48 * 1024, 1024, 32, (7, 0))
 SPLITTING = get_backend("triton", limits=SPLITTING_LIMITS)
 BI_V100 = DeviceLimits(48 * 1024, 16, 64, (7, 0))
+# An H200's figures: grouped heads take the pipelined tl.dot path, whose whole steps load unmasked.
+H200 = DeviceLimits(232448, 132, 32, (9, 0))
 
 
 # --- golden cases --------------------------------------------------------------------------------
@@ -195,6 +197,51 @@ def test_limits_narrowed_to_a_budget():
     limits = DeviceLimits(232448, 132, 32, (9, 0))
     assert limits.with_shared_memory_limit(49152).shared_memory_per_block == 49152
     assert limits.with_shared_memory_limit(None) is limits
+
+
+def test_unmasked_steps_only_where_head_size_fills_the_tile():
+    for head_size, expected in ((128, True), (64, True), (96, False), (120, False)):
+        config = configs.choose_config(H200, head_size, 16, torch.float16, "auto", 4)
+        assert configs.unmasked_steps(config, head_size) is expected
+    assert not configs.unmasked_steps(configs.choose_config(H200, 128, 16, torch.float16, "auto", 1), 128)
+    assert not configs.unmasked_steps(configs.choose_config(BI_V100, 128, 16, torch.float16, "auto", 4), 128)
+
+
+@pytest.mark.parametrize("head_size,block_size", [(128, 16), (64, 8), (128, 32)])
+def test_unmasked_whole_steps_match_reference(head_size, block_size, device):
+    """The pipelined path's unmasked loads: partial last steps, split-KV and v2 sub-splits, NaN past the ends
+    and in spare blocks."""
+    backend = get_backend("triton", limits=H200)
+    assert configs.unmasked_steps(configs.choose_config(H200, head_size, block_size, torch.bfloat16, "auto", 4),
+                                  head_size)
+    inputs = golden.random_case(torch.bfloat16, head_size, block_size, 8, 2, [1, 47, 530, 1100], poison=True,
+                                seed=block_size)
+    ref = golden.reference_for(inputs)
+    for version in golden.VERSIONS:
+        golden.check_against_reference(golden.run_op(backend, inputs, version, device), ref,
+                                       golden.random_tolerance(inputs))
+
+
+@pytest.mark.parametrize("breaker", golden.BAD_TABLE_BREAKERS, ids=lambda f: f.__name__)
+def test_unmasked_whole_steps_with_a_bad_table(breaker, device):
+    inputs = golden.random_case(torch.float16, 128, 16, 4, 2, [100, 600, 40], poison=True)
+    ref = golden.reference_for(inputs)
+    breaker(inputs)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(get_backend("triton", limits=H200), inputs, version, device)
+        assert torch.isnan(outputs["out"][1]).all()
+        golden.check_against_reference({k: v[[0, 2]] for k, v in outputs.items()},
+                                       {k: v[[0, 2]] for k, v in ref.items()}, golden.random_tolerance(inputs))
+
+
+def test_unmasked_whole_steps_with_an_empty_cache(device):
+    """No block to read: sequences that need one are NaN, empty ones zeros, and nothing is loaded."""
+    inputs = golden.random_case(torch.float16, 128, 16, 4, 2, [0, 40], spare_blocks=0)
+    inputs["key_cache"] = inputs["key_cache"][:0]
+    inputs["value_cache"] = inputs["value_cache"][:0]
+    for version in golden.VERSIONS:
+        out = golden.run_op(get_backend("triton", limits=H200), inputs, version, device)["out"].cpu()
+        assert torch.equal(out[0], torch.zeros(4, 128, dtype=torch.float16)) and torch.isnan(out[1]).all()
 
 
 # --- edges ---------------------------------------------------------------------------------------
