@@ -377,8 +377,9 @@ def _reduce_kernel(
 ):
     """Grid (num_seqs, num_heads, dim chunks of DIMS_BLOCK): out = sum_p tmp_p * w_p / (sum_p w_p + 1e-6),
     w_p = exp_sum_p * exp(max_p - max), over the splits that hold tokens only; a single split is copied.
-    A split that met a bad block (NaN) makes the head's out and all its written splits NaN. SPLITS_BLOCK
-    splits per load (usually all of them): each pass is one round of loads, not a chain of them."""
+    A split that met a bad block (NaN) makes the head's out and all its written splits NaN. One pass of
+    SPLITS_BLOCK splits per load (usually all of them), the statistics and outputs loaded together and
+    rescaled to the running max: one round of loads after seq_lens, not a max pass and then a sum pass."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dim_chunk = tl.program_id(2)
@@ -393,42 +394,43 @@ def _reduce_kernel(
     sum_row = exp_sums_ptr + seq * stride_e0 + head * stride_e1
     tmp_row = tmp_ptr + seq.to(tl.int64) * stride_t0 + head * stride_t1
 
-    global_max = tl.zeros([SPLITS_BLOCK], dtype=tl.float32) - float("inf")
-    nan_splits = tl.zeros([SPLITS_BLOCK], dtype=tl.int32)
-    for first in range(0, used, SPLITS_BLOCK):
-        part = first + splits
-        part_max = tl.load(max_row + part * stride_m2, mask=part < used, other=float("-inf"))
-        nan_splits += (part_max != part_max).to(tl.int32)
-        global_max = tl.maximum(global_max, tl.where(part_max != part_max, float("-inf"), part_max))
-    top = tl.max(global_max, axis=0)
-    broken = seq_bad | (tl.sum(nan_splits, axis=0) > 0)
-    first_chunk = dim_chunk == 0  # one program per head marks the head's split statistics
-
+    top = float("-inf")  # the running max over the splits seen; acc and total are relative to it
     acc = tl.zeros([DIMS_BLOCK], dtype=tl.float32)
-    total = tl.zeros([SPLITS_BLOCK], dtype=tl.float32)
+    total = 0.0
+    nan_splits = 0
     for first in range(0, used, SPLITS_BLOCK):
         part = first + splits
         part_ok = part < used
         part_max = tl.load(max_row + part * stride_m2, mask=part_ok, other=float("-inf"))
         part_sum = tl.load(sum_row + part * stride_e2, mask=part_ok, other=0.0)
-        weight = tl.where(part_ok, part_sum * tl.math.exp2((part_max - top) * 1.4426950408889634), 0.0)
-        weight = tl.where(used == 1, tl.where(part_ok, 1.0, 0.0), weight)
         part_out = tl.load(tmp_row + part[:, None] * stride_t2 + dims[None, :] * stride_t3,
                            mask=part_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(part_out * weight[:, None], axis=0)
-        total += weight
-        # masked off (no traffic) unless broken
-        tl.store(max_row + part * stride_m2, tl.zeros([SPLITS_BLOCK], dtype=tl.float32) + float("nan"),
-                 mask=part_ok & broken & first_chunk)
-        tl.store(sum_row + part * stride_e2, tl.zeros([SPLITS_BLOCK], dtype=tl.float32) + float("nan"),
-                 mask=part_ok & broken & first_chunk)
-        tl.store(tmp_row + part[:, None] * stride_t2 + dims[None, :] * stride_t3,
-                 (part_out + float("nan")).to(tmp_ptr.dtype.element_ty), mask=part_ok[:, None] & dim_ok[None, :] & broken)
-    denominator = tl.where(used == 1, 1.0, tl.sum(total, axis=0) + 1e-6)
-    result = acc / denominator
-    result = tl.where(broken, float("nan"), result)
+        nan_splits += tl.sum((part_max != part_max).to(tl.int32), axis=0)
+        new_top = tl.maximum(top, tl.max(tl.where(part_max != part_max, float("-inf"), part_max), axis=0))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # (no -inf - -inf)
+        rescale = tl.math.exp2((top - shift) * 1.4426950408889634)
+        weight = tl.where(part_ok, part_sum * tl.math.exp2((part_max - shift) * 1.4426950408889634), 0.0)
+        weight = tl.where(used == 1, tl.where(part_ok, 1.0, 0.0), weight)
+        acc = acc * rescale + tl.sum(part_out * weight[:, None], axis=0)
+        total = total * rescale + tl.sum(weight, axis=0)
+        top = new_top
+    broken = seq_bad | (nan_splits > 0)
+    denominator = tl.where(used == 1, 1.0, total + 1e-6)
+    result = tl.where(broken, float("nan"), acc / denominator)
     tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + head * stride_o1 + dims * stride_o2,
              result.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    # A broken head's written splits become NaN (no pass at all otherwise); one program per head marks the
+    # statistics.
+    nan_block = tl.zeros([SPLITS_BLOCK], dtype=tl.float32) + float("nan")
+    first_chunk = dim_chunk == 0
+    for first in range(0, tl.where(broken, used, 0), SPLITS_BLOCK):
+        part = first + splits
+        part_ok = part < used
+        tl.store(max_row + part * stride_m2, nan_block, mask=part_ok & first_chunk)
+        tl.store(sum_row + part * stride_e2, nan_block, mask=part_ok & first_chunk)
+        tl.store(tmp_row + part[:, None] * stride_t2 + dims[None, :] * stride_t3,
+                 (nan_block[:, None] + tl.zeros([DIMS_BLOCK], dtype=tl.float32)[None, :]).to(tmp_ptr.dtype.element_ty),
+                 mask=part_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["table_columns", "max_seq_len", "sub_tokens", "partitions"])
