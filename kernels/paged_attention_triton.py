@@ -524,17 +524,17 @@ class _Launcher:
         self.fn = fn
         self.pointer_positions = tuple(i for i, name in enumerate(fn.arg_names) if name.endswith("_ptr"))
         self.kernels = {}
-        self.last = (None, None)  # (key, kernel) of the last direct launch: decode steps repeat it
+        self.last = (None, None)  # (key, launch) of the last direct launch: decode steps repeat it
 
     def __call__(self, key, grid, device, args, tensors, make_constants):
-        last_key, kernel = self.last
+        last_key, launch = self.last
         if key != last_key:  # tuple equality: cheaper than hashing the ~30 strides in the key
-            kernel = self.kernels.get(key)
-            if kernel is not None:
-                self.last = (key, kernel)
-        if kernel is not None:
-            kernel.run(grid[0], grid[1], grid[2], _current_stream(device.index), kernel.function,
-                       kernel.packed_metadata, None, None, None, *args, *kernel.constexpr_tail)
+            launch = self.kernels.get(key)
+            if launch is not None:
+                self.last = (key, launch)
+        if launch is not None:
+            entry, leading, constexpr_tail = launch
+            entry(grid[0], grid[1], grid[2], _current_stream(device.index), *leading, *args, *constexpr_tail)
             return
         args = list(args)
         for position, tensor in zip(self.pointer_positions, tensors):
@@ -542,19 +542,36 @@ class _Launcher:
         constants = make_constants()
         kernel = self.fn[grid](*args, **constants)
         if _DIRECT_LAUNCH and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
-            kernel.constexpr_tail = tuple(constants[name] for name in self.fn.arg_names[len(args):])
-            self.kernels[key] = kernel
+            constexpr_tail = tuple(constants[name] for name in self.fn.arg_names[len(args):])
+            self.kernels[key] = _direct_entry(kernel) + (constexpr_tail,)
 
 
-def _direct_launch_available():
+def _direct_entry(kernel):
+    """(callable, its arguments between the stream and the kernel's own) for a compiled kernel: Triton's
+    ``kernel.run``, or on Triton 3.6 (whose launcher this was checked against) the C launch function that
+    ``kernel.run`` wraps, where the kernel needs no scratch memory: about 1.7 us less per launch (a Python
+    frame, a closure and two allocator calls)."""
+    run = kernel.run
+    launch = getattr(run, "launch", None)
+    if (_BARE_LAUNCH and callable(launch) and getattr(run, "global_scratch_size", None) == 0
+            and getattr(run, "profile_scratch_size", None) == 0 and hasattr(run, "launch_cooperative_grid")
+            and hasattr(run, "launch_pdl")):
+        # launch(grid x, y, z, stream, function, cooperative grid, PDL, global scratch, profile scratch,
+        #        metadata, launch metadata, enter hook, exit hook, *arguments)
+        return launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                        kernel.packed_metadata, None, None, None)
+    return run, (kernel.function, kernel.packed_metadata, None, None, None)
+
+
+def _triton_version():
     try:
-        major = int(triton.__version__.split(".")[0])
-        return major >= 3 and hasattr(torch._C, "_cuda_getCurrentRawStream")
+        return tuple(int(part) for part in triton.__version__.split(".")[:2])
     except (ValueError, AttributeError):
-        return False
+        return (0, 0)
 
 
-_DIRECT_LAUNCH = _direct_launch_available()
+_DIRECT_LAUNCH = _triton_version() >= (3, 0) and hasattr(torch._C, "_cuda_getCurrentRawStream")
+_BARE_LAUNCH = _DIRECT_LAUNCH and _triton_version() == (3, 6)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _attention = _Launcher(_attention_kernel)
 _reduce = _Launcher(_reduce_kernel)
