@@ -570,8 +570,9 @@ def _triton_version():
         return (0, 0)
 
 
-_DIRECT_LAUNCH = _triton_version() >= (3, 0) and hasattr(torch._C, "_cuda_getCurrentRawStream")
-_BARE_LAUNCH = _DIRECT_LAUNCH and _triton_version() == (3, 6)
+_TRITON_VERSION = _triton_version()
+_DIRECT_LAUNCH = _TRITON_VERSION >= (3, 0) and hasattr(torch._C, "_cuda_getCurrentRawStream")
+_BARE_LAUNCH = _DIRECT_LAUNCH and _TRITON_VERSION == (3, 6)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _attention = _Launcher(_attention_kernel)
 _reduce = _Launcher(_reduce_kernel)
