@@ -7,6 +7,7 @@ return for a shared-memory limit, so the fit is checked on real compiler output.
 """
 
 import dataclasses
+import functools
 
 import torch
 
@@ -22,12 +23,13 @@ BIG_SHARED_MEMORY = 96 * 1024
 # in results/nvidia-h200/sweep.json), vectorised loads, block ids loaded a step ahead of their K and V:
 # - grouped heads: a 16-row tl.dot, one whole cache block per step;
 # - where the GPU has async copies (capability >= 8.0) Triton's pipeliner with 3 stages and one warp per
-#   16 rows: small programs, more of them resident per SM, more loads in flight (80% of copy; 4 warps: 66%);
+#   16 rows: small programs, more of them resident per SM, more loads in flight (80% of copy, 98-103% with
+#   K loaded in memory order; 4 warps: 66%);
 # - elsewhere (a BI-V100) the kernel's own one-step prefetch with 64 threads per 16 rows, one BI-V100 warp
 #   (on the H200 this path gave 62%, 77% with 32 threads; nothing was measured on a BI-V100);
-# - one query row per kv head: float32 broadcast products, 64 threads, a plain loop (89%; Triton pipelines
-#   only loads that feed tl.dot, and the compiler's own scheduling beat the kernel's prefetch, which holds
-#   more registers).
+# - one query row per kv head: where K loads in memory order (``key_rows``), the same 16-row tl.dot (104%);
+#   elsewhere float32 broadcast products, 64 threads, a plain loop (89%; Triton pipelines only loads that
+#   feed tl.dot, and the compiler's own scheduling beat the kernel's prefetch, which holds more registers).
 PIPELINED_DOT_THREADS = 32  # per 16 query rows
 PREFETCH_DOT_THREADS = 64   # per 16 query rows
 BROADCAST_THREADS = 64
@@ -95,12 +97,13 @@ def candidate_configs(limits, head_size, block_size, query_dtype, kv_cache_dtype
         <= limits.shared_memory_per_block
     warps = lambda threads: max(1, threads // limits.warp_size)  # noqa: E731
     pipelined = tuple(limits.capability) >= PIPELINE_CAPABILITY
-    found = []
-    if queries_per_kv == 1:  # one query row: no tl.dot, one whole cache block per step
+    broadcast = []
+    if queries_per_kv == 1:  # one query row: float32 products, one whole cache block per step
         if pipelined:
-            found += [KernelConfig(block_size, 1, warps(BROADCAST_THREADS), stages, use_dot=False, prefetch=False)
-                      for stages in PIPELINE_STAGES]
-        found.append(KernelConfig(block_size, 1, warps(BROADCAST_THREADS), 1, use_dot=False, prefetch=True))
+            broadcast += [KernelConfig(block_size, 1, warps(BROADCAST_THREADS), stages, use_dot=False, prefetch=False)
+                          for stages in PIPELINE_STAGES]
+        broadcast.append(KernelConfig(block_size, 1, warps(BROADCAST_THREADS), 1, use_dot=False, prefetch=True))
+    found = []
     rows = max(_next_power_of_2(queries_per_kv), MIN_DOT_ROWS)
     # More than 16 query rows per program only where shared memory is plentiful (not on 48 KB parts).
     most_rows = MAX_HEADS_BLOCK if limits.shared_memory_per_block >= BIG_SHARED_MEMORY else MIN_DOT_ROWS
@@ -117,7 +120,34 @@ def candidate_configs(limits, head_size, block_size, query_dtype, kv_cache_dtype
         found += [KernelConfig(block_n, heads_block, warps(PREFETCH_DOT_THREADS * row_groups), 1)
                   for block_n in block_ns]
         heads_block //= 2
+    # One query row: a 16-row tl.dot (15 rows of padding) where K loads in memory order (H200: 104% of copy
+    # against the broadcast products' 89%, results/nvidia-h200/mha_dot.json), else broadcast products.
+    if pipelined and key_rows(found[0], block_size):
+        found += broadcast
+    else:
+        found = broadcast + found
     return [c for c in found if fits(c)]
+
+
+def key_rows(config, block_size):
+    """Whether the kernel loads K in its memory order (``KEY_ROWS``: rows of X dims, permuted in registers):
+    the pipelined ``tl.dot`` path with one cache block per step, on Triton >= 3 (``tl.permute``); the launch
+    also needs vLLM's slot layout. On the H200 (results/nvidia-h200/key_rows.json, key_rows2.json; Nsight
+    Compute in ncu_gqa.txt) grouped rows went from 80% to 98-103% of copy on 2 GB, 67% to 82% on 268 MB,
+    1 x 32768 from 59.6 to 50.2 us: loaded as [dims, tokens], K's async copies had moved twice the L2
+    sectors they needed."""
+    return config.use_dot and not config.prefetch and config.block_n == block_size and triton_has_permute()
+
+
+@functools.lru_cache(maxsize=None)
+def triton_has_permute():
+    """Triton >= 3.0 (2.x transposes 2-D tensors only). Imported on first use, not with this module: the
+    compile workers set up Triton's interpreter switch before they import Triton."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return hasattr(tl, "permute")
 
 
 def choose_config(limits, head_size, block_size, query_dtype, kv_cache_dtype, queries_per_kv):

@@ -11,7 +11,8 @@ Shapes (vLLM's layouts; D = head_size, G = num_heads // num_kv_heads)::
 ``_attention_kernel`` runs on the grid (kv head x head chunk, sequence, split). One program loads
 the query rows of every query head sharing its kv head and walks its split's tokens ``BLOCK_N`` at a
 time through the block table, with 16-byte vector loads (masks per step and per 8 dims, never per
-token). Block ids are loaded a step ahead of their K and V, so the address of a step's loads never
+token). On the pipelined path K is read in its memory order, rows of X dims, and permuted in
+registers. Block ids are loaded a step ahead of their K and V, so the address of a step's loads never
 waits on a load of the same step (and Triton's pipeliner multi-buffers them); whole steps run without
 token masks, only the split's last, partial step masks its tokens (and where head_size fills its power-of-2
 tile, the pipelined ``tl.dot`` path loads whole steps with no mask at all). Scores and output come from
@@ -132,21 +133,25 @@ def _step_ids(table_row, stride_bt1, first, end, offs_n, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
-def _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims, dim_ok, offs_n, stride_k0,
-               key_slot_stride, stride_v0, stride_v2, stride_v3,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr,
-               UNMASKED: tl.constexpr):
+def _load_step(key_head, value_head, ids, first, end, num_blocks, key_offsets, key_ok, dims, dim_ok, offs_n,
+               stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr, X: tl.constexpr,
+               CONTIGUOUS_SLOTS: tl.constexpr, UNMASKED: tl.constexpr, KEY_ROWS: tl.constexpr):
     """Issue the loads of the step at token ``first``: K [HEAD_PAD, BLOCK_N], V [BLOCK_N, HEAD_PAD] and the
     number of out-of-range block ids met. ``ids`` come from ``_step_ids``; a scalar id keeps V's rows
     contiguous (vector loads). Load masks are per step (a scalar) and per 8 dims only: a per-token mask would
     split every vector load; ``UNMASKED``: none (a whole step inside the sequence, head_size == HEAD_PAD).
-    Unused slots and bad ids read block 0 (in bounds); the caller masks them."""
+    ``KEY_ROWS``: K is loaded in its memory order, [HEAD_PAD // X, BLOCK_N * X] (``key_offsets``, ``key_ok``
+    per row), and permuted to [HEAD_PAD, BLOCK_N] in registers (Triton >= 3: ``tl.permute``). Unused slots and bad ids read block 0 (in bounds); the caller masks them."""
     step_ok = (first < end) & (num_blocks > 0)
     if BLOCK_N == BLOCK_SIZE:
         block_bad = (first < end) & ((ids < 0) | (ids >= num_blocks))
         bad = block_bad.to(tl.int32)
         safe_id = tl.where(block_bad, 0, ids).to(tl.int64)
-        key_ptrs = key_head + safe_id * stride_k0 + key_dims[:, None] + offs_n[None, :] * key_slot_stride
+        if KEY_ROWS:
+            key_ptrs = key_head + safe_id * stride_k0 + key_offsets
+        else:
+            key_ptrs = key_head + safe_id * stride_k0 + key_offsets[:, None] + offs_n[None, :] * key_slot_stride
         value_ptrs = value_head + safe_id * stride_v0 + offs_n[:, None] * stride_v3 + dims[None, :] * stride_v2
     else:  # a step spans several cache blocks (block_size 8) or part of one (a smaller tile)
         tokens = first + offs_n
@@ -154,7 +159,7 @@ def _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims
         bad = tl.sum(ids_bad.to(tl.int32), axis=0)
         safe_ids = tl.where(ids_bad, 0, ids).to(tl.int64)
         slots = tokens % BLOCK_SIZE
-        key_ptrs = key_head + safe_ids[None, :] * stride_k0 + key_dims[:, None] + slots[None, :] * key_slot_stride
+        key_ptrs = key_head + safe_ids[None, :] * stride_k0 + key_offsets[:, None] + slots[None, :] * key_slot_stride
         value_rows = safe_ids * stride_v0 + slots * stride_v3
         if CONTIGUOUS_SLOTS:  # tell the compiler V's rows come in aligned runs (one block, or the step): vector loads
             if BLOCK_N >= BLOCK_SIZE:
@@ -166,8 +171,10 @@ def _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims
         k = tl.load(key_ptrs)
         v = tl.load(value_ptrs)
     else:
-        k = tl.load(key_ptrs, mask=dim_ok[:, None] & step_ok, other=0)
+        k = tl.load(key_ptrs, mask=key_ok[:, None] & step_ok, other=0)
         v = tl.load(value_ptrs, mask=dim_ok[None, :] & step_ok, other=0)
+    if KEY_ROWS:  # [group, (token, e)] -> [(group, e), token] = [dims, tokens]
+        k = tl.reshape(tl.permute(tl.reshape(k, (HEAD_PAD // X, BLOCK_N, X)), (0, 2, 1)), (HEAD_PAD, BLOCK_N))
     return k, v, bad
 
 
@@ -231,7 +238,7 @@ def _attention_kernel(
     HEADS_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     X: tl.constexpr, KV_FORMAT: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr, USE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr, UNMASKED_STEPS: tl.constexpr,
+    PREFETCH: tl.constexpr, UNMASKED_STEPS: tl.constexpr, KEY_ROWS: tl.constexpr,
 ):
     """Grid (num_kv_heads * head_chunks, num_seqs, num_splits); split s covers tokens
     [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence. Head sizes are runtime values
@@ -280,13 +287,22 @@ def _attention_kernel(
 
     key_head = key_ptr + kv_head.to(tl.int64) * stride_k1
     value_head = value_ptr + kv_head.to(tl.int64) * stride_v1
-    key_dims = (dims // X) * stride_k2 + (dims % X) * stride_k4
     # vLLM's layout has K's slots X apart: a constexpr stride lets the compiler prove 16-byte runs (vector
     # loads); a runtime stride of 8 carries no divisibility and every K element became its own 2-byte load.
     if CONTIGUOUS_SLOTS:
         key_slot_stride = X
     else:
         key_slot_stride = stride_k3
+    if KEY_ROWS:
+        # One row per X dims, its BLOCK_N * X elements contiguous: 8 consecutive lanes of a 16-byte
+        # async copy then read and write 128 contiguous bytes. Loaded as [dims, tokens], 8 lanes
+        # spanned 8 rows 256 bytes apart: twice the L2 sectors and 8x the shared-memory wavefronts.
+        key_groups = tl.arange(0, HEAD_PAD // X)
+        key_ok = key_groups < head_size // X
+        key_offsets = key_groups[:, None] * stride_k2 + tl.arange(0, BLOCK_N * X)[None, :]
+    else:
+        key_ok = dim_ok
+        key_offsets = (dims // X) * stride_k2 + (dims % X) * stride_k4
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt0
 
     m_i = tl.zeros([HEADS_BLOCK], dtype=tl.float32) - float("inf")
@@ -309,21 +325,21 @@ def _attention_kernel(
     if PREFETCH:
         # Software pipelining by hand (for GPUs without async copies): the next step's K and V are in
         # flight while this step computes, the block ids two steps ahead.
-        k, v, bad_blocks = _load_step(key_head, value_head, ids, start, end, num_blocks, key_dims, dims, dim_ok,
-                                      offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
-                                      BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS, False)
+        k, v, bad_blocks = _load_step(key_head, value_head, ids, start, end, num_blocks, key_offsets, key_ok, dims,
+                                      dim_ok, offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
+                                      BLOCK_SIZE, BLOCK_N, HEAD_PAD, X, CONTIGUOUS_SLOTS, False, KEY_ROWS)
         ids = _step_ids(table_row, stride_bt1, start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
     for first in range(start, full_end, BLOCK_N):
         if PREFETCH:
             k_next, v_next, bad_next = _load_step(key_head, value_head, ids, first + BLOCK_N, end, num_blocks,
-                                                  key_dims, dims, dim_ok, offs_n, stride_k0, key_slot_stride,
-                                                  stride_v0, stride_v2, stride_v3, BLOCK_SIZE, BLOCK_N,
-                                                  CONTIGUOUS_SLOTS, False)
+                                                  key_offsets, key_ok, dims, dim_ok, offs_n, stride_k0,
+                                                  key_slot_stride, stride_v0, stride_v2, stride_v3, BLOCK_SIZE,
+                                                  BLOCK_N, HEAD_PAD, X, CONTIGUOUS_SLOTS, False, KEY_ROWS)
             ids = _step_ids(table_row, stride_bt1, first + 2 * BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         else:  # Triton's pipeliner (num_stages > 1) overlaps the loads where the GPU has async copies
-            k, v, bad_step = _load_step(key_head, value_head, ids, first, end, num_blocks, key_dims, dims, dim_ok,
-                                        offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
-                                        BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS, UNMASKED_STEPS)
+            k, v, bad_step = _load_step(key_head, value_head, ids, first, end, num_blocks, key_offsets, key_ok, dims,
+                                        dim_ok, offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
+                                        BLOCK_SIZE, BLOCK_N, HEAD_PAD, X, CONTIGUOUS_SLOTS, UNMASKED_STEPS, KEY_ROWS)
             ids = _step_ids(table_row, stride_bt1, first + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
             bad_blocks += bad_step
         m_i, l_i, acc = _attend_step(q, k, v, first + offs_n, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
@@ -335,9 +351,9 @@ def _attention_kernel(
             v = v_next
     if full_end < end:
         if not PREFETCH:  # (the prefetching loop has already loaded this step)
-            k, v, bad_step = _load_step(key_head, value_head, ids, full_end, end, num_blocks, key_dims, dims, dim_ok,
-                                        offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2, stride_v3,
-                                        BLOCK_SIZE, BLOCK_N, CONTIGUOUS_SLOTS, False)
+            k, v, bad_step = _load_step(key_head, value_head, ids, full_end, end, num_blocks, key_offsets, key_ok,
+                                        dims, dim_ok, offs_n, stride_k0, key_slot_stride, stride_v0, stride_v2,
+                                        stride_v3, BLOCK_SIZE, BLOCK_N, HEAD_PAD, X, CONTIGUOUS_SLOTS, False, KEY_ROWS)
             bad_blocks += bad_step
         m_i, l_i, acc = _attend_step(q, k, v, full_end + offs_n, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
                                      sparse_offset, query_sparse_block, sparse_block_size, sparse_vert_stride,
@@ -705,6 +721,14 @@ def _contiguous_slots(call, key_strides, value_strides):
             and key_strides[3] == call.x)
 
 
+def _attention_constants(plan, call, cache_strides, scales_in_memory, partial):
+    """The attention kernel's constexprs for a launch: the plan's, and those that depend on the call's
+    tensors (scales in memory, split outputs, vLLM's slot layout)."""
+    contiguous = _contiguous_slots(call, *cache_strides[1:3])
+    return dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial, CONTIGUOUS_SLOTS=contiguous,
+                KEY_ROWS=contiguous and configs.key_rows(plan.config, call.block_size))
+
+
 def _launch(call, plan):
     query, out, key_cache, value_cache = call.query, call.out, call.key_cache, call.value_cache
     device = call.device
@@ -759,8 +783,7 @@ def _launch(call, plan):
             tokens_per_split, num_splits, *sparse_args)
     grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
     _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
-               device, args, tensors, lambda: dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial,
-                                                   CONTIGUOUS_SLOTS=_contiguous_slots(call, *cache_strides[1:3])))
+               device, args, tensors, lambda: _attention_constants(plan, call, cache_strides, scales_in_memory, partial))
     if subs > 1:  # v2 from sub-splits: vLLM's partition outputs and the reduce over them, one kernel
         parts = (call.tmp_out, call.exp_sums, call.max_logits)
         part_strides = tuple(buffer.stride() for buffer in parts)

@@ -161,7 +161,8 @@ def _attention_source(kernels, variant):
                      KV_FORMAT=kernels.FP8_FORMATS[variant.kv_cache_dtype], SCALES_IN_MEMORY=True,
                      HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, CONTIGUOUS_SLOTS=True,
                      USE_DOT=config.use_dot, PREFETCH=config.prefetch,
-                     UNMASKED_STEPS=configs.unmasked_steps(config, variant.head_size))
+                     UNMASKED_STEPS=configs.unmasked_steps(config, variant.head_size),
+                     KEY_ROWS=configs.key_rows(config, variant.block_size))
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 

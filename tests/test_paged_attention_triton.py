@@ -203,7 +203,7 @@ def test_unmasked_steps_only_where_head_size_fills_the_tile():
     for head_size, expected in ((128, True), (64, True), (96, False), (120, False)):
         config = configs.choose_config(H200, head_size, 16, torch.float16, "auto", 4)
         assert configs.unmasked_steps(config, head_size) is expected
-    assert not configs.unmasked_steps(configs.choose_config(H200, 128, 16, torch.float16, "auto", 1), 128)
+    assert not configs.unmasked_steps(configs.choose_config(H200, 128, 8, torch.float16, "auto", 1), 128)
     assert not configs.unmasked_steps(configs.choose_config(BI_V100, 128, 16, torch.float16, "auto", 4), 128)
 
 
@@ -220,6 +220,38 @@ def test_unmasked_whole_steps_match_reference(head_size, block_size, device):
     for version in golden.VERSIONS:
         golden.check_against_reference(golden.run_op(backend, inputs, version, device), ref,
                                        golden.random_tolerance(inputs))
+
+
+def test_key_rows_only_on_the_pipelined_dot_path(monkeypatch):
+    """K in its memory order: the pipelined tl.dot path with one cache block per step, and only where Triton
+    has tl.permute (Triton 2.x, the BI-V100's 2.3.1 included, keeps the [dims, tokens] load). One query row
+    per kv head takes that path too where K loads so, else float32 broadcast products."""
+    config = lambda limits, block_size, group: configs.choose_config(  # noqa: E731
+        limits, 128, block_size, torch.float16, "auto", group)
+    for group in (4, 1):
+        assert configs.key_rows(config(H200, 16, group), 16) and configs.key_rows(config(H200, 32, group), 32)
+        assert not configs.key_rows(config(H200, 8, group), 8)  # a 16-token step spans two blocks of 8
+        assert not configs.key_rows(config(BI_V100, 16, group), 16)  # the kernel's own prefetch
+    assert config(H200, 16, 1).heads_block == 16 and not config(H200, 8, 1).use_dot
+    monkeypatch.setattr(configs, "triton_has_permute", lambda: False)
+    assert not configs.key_rows(config(H200, 16, 4), 16) and not config(H200, 16, 1).use_dot
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype,head_size,block_size", [
+    (torch.float16, "auto", 96, 16),         # rows of dims past head_size masked
+    (torch.bfloat16, "fp8_e4m3", 128, 32),   # X = 16 (one byte per element), 32-token blocks
+    (torch.float16, "fp8_e5m2", 80, 16),
+])
+def test_key_rows_match_reference(dtype, kv_cache_dtype, head_size, block_size, device):
+    """The K tiles loaded in memory order and permuted: masked dim rows, fp8's 16-element rows, partial steps,
+    split-KV and v2 sub-splits, NaN in spare blocks and past the ends."""
+    assert configs.key_rows(configs.choose_config(H200, head_size, block_size, dtype, kv_cache_dtype, 4), block_size)
+    inputs = golden.random_case(dtype, head_size, block_size, 8, 2, [1, 33, 530, 1100], kv_cache_dtype=kv_cache_dtype,
+                                poison=True, seed=head_size)
+    ref = golden.reference_for(inputs)
+    for version in golden.VERSIONS:
+        golden.check_against_reference(golden.run_op(get_backend("triton", limits=H200), inputs, version, device),
+                                       ref, golden.random_tolerance(inputs))
 
 
 def test_unmasked_whole_steps_with_an_empty_cache(device):

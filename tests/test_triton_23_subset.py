@@ -18,6 +18,9 @@ from tests.conftest import REPO_ROOT
 
 TRITON_231 = REPO_ROOT / ".ci" / "envs" / "triton231"
 KERNEL_MODULES = [REPO_ROOT / "kernels" / "paged_attention_triton.py"]
+# Used only in constexpr branches that Triton 2.x never compiles: KEY_ROWS is set only where
+# configs.triton_has_permute() (test_paged_attention_triton's test_key_rows_only_on_the_pipelined_dot_path).
+TRITON_3_ONLY = {"tl.permute"}
 
 _LOOKUP = r"""
 import inspect, json, sys
@@ -94,7 +97,7 @@ def test_kernels_use_only_triton_231_language():
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout)
     assert found["version"] == "2.3.1" and pathlib.Path(found["file"]).is_relative_to(TRITON_231), found
-    assert not found["missing"], f"not in triton 2.3.1's language: {found['missing']}"
+    assert set(found["missing"]) == TRITON_3_ONLY, f"not in triton 2.3.1's language: {found['missing']}"
     assert not found["bad_keywords"], f"keywords triton 2.3.1 does not take: {found['bad_keywords']}"
     # The names the issue lists as absent from 2.3.1 really are absent there (the check has teeth).
     probe = {"tl.exp2": [], "tl.range": [], "tl.cast": [], "tl.math.exp2": []}
