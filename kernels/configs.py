@@ -181,14 +181,13 @@ def choose_splits(limits, programs, max_seq_len, block_n):
 
 
 def choose_subsplits(limits, programs, partitions, partition_size, block_n):
-    """v2's sub-splits per vLLM partition (a power of 2). Only where the partitions give fewer programs than
-    there are SMs; then as many as one wave of resident programs holds, each at least
-    ``MIN_TOKENS_PER_SPLIT`` tokens and a whole number of steps. On the H200 (two bench runs of 2026-12-03)
-    they took grouped-query 1 x 2048 from 31 to 17 us and 1 x 8192 from 57 to 32 us, but grids of 256 and
-    more programs lost 3-9 us to the extra partition kernel (8 x 2048: 41 -> 47 us; that kernel is now
-    one with the reduce)."""
-    if programs * partitions >= limits.multiprocessor_count:
-        return 1
+    """v2's sub-splits per vLLM partition (a power of 2): as many as keep the grid within one wave of resident
+    programs, each at least ``MIN_TOKENS_PER_SPLIT`` tokens and a whole number of steps. On the H200 they took
+    grouped-query 1 x 2048 from 31 to 17 us and 1 x 8192 from 57 to 32 us (two bench runs of 2026-12-03).
+    They used to stop where the partitions alone gave a program per SM, because a separate partition kernel
+    cost 3-9 us; with the combine and the reduce in one kernel, sub-splits up to half a wave won there too
+    (results/nvidia-h200/v2_subs.json): 8 x 2048 and 1 x 16384 grouped 39 -> 33 us, 1 x 32768 51.5 -> 50.1
+    us, MHA 1 x 8192 49.1 -> 49.6 us."""
     wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     subs = 1
     while (subs < MAX_SUBSPLITS and programs * partitions * subs * 2 <= wave
