@@ -142,7 +142,8 @@ def _load_step(key_head, value_head, ids, first, end, num_blocks, key_offsets, k
     contiguous (vector loads). Load masks are per step (a scalar) and per 8 dims only: a per-token mask would
     split every vector load; ``UNMASKED``: none (a whole step inside the sequence, head_size == HEAD_PAD).
     ``KEY_ROWS``: K is loaded in its memory order, [HEAD_PAD // X, BLOCK_N * X] (``key_offsets``, ``key_ok``
-    per row), and permuted to [HEAD_PAD, BLOCK_N] in registers (Triton >= 3: ``tl.permute``). Unused slots and bad ids read block 0 (in bounds); the caller masks them."""
+    per row), and permuted to [HEAD_PAD, BLOCK_N] in registers (Triton >= 3: ``tl.permute``). Unused slots
+    and bad ids read block 0 (in bounds); the caller masks them."""
     step_ok = (first < end) & (num_blocks > 0)
     if BLOCK_N == BLOCK_SIZE:
         block_bad = (first < end) & ((ids < 0) | (ids >= num_blocks))
@@ -296,7 +297,7 @@ def _attention_kernel(
     if KEY_ROWS:
         # One row per X dims, its BLOCK_N * X elements contiguous: 8 consecutive lanes of a 16-byte
         # async copy then read and write 128 contiguous bytes. Loaded as [dims, tokens], 8 lanes
-        # spanned 8 rows 256 bytes apart: twice the L2 sectors and 8x the shared-memory wavefronts.
+        # spanned 8 rows 256 bytes apart: twice the L2 sectors and 7.6x the shared-memory wavefronts.
         key_groups = tl.arange(0, HEAD_PAD // X)
         key_ok = key_groups < head_size // X
         key_offsets = key_groups[:, None] * stride_k2 + tl.arange(0, BLOCK_N * X)[None, :]
@@ -783,7 +784,8 @@ def _launch(call, plan):
             tokens_per_split, num_splits, *sparse_args)
     grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
     _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
-               device, args, tensors, lambda: _attention_constants(plan, call, cache_strides, scales_in_memory, partial))
+               device, args, tensors,
+               lambda: _attention_constants(plan, call, cache_strides, scales_in_memory, partial))
     if subs > 1:  # v2 from sub-splits: vLLM's partition outputs and the reduce over them, one kernel
         parts = (call.tmp_out, call.exp_sums, call.max_logits)
         part_strides = tuple(buffer.stride() for buffer in parts)
