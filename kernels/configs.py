@@ -35,12 +35,14 @@ PREFETCH_DOT_THREADS = 64   # per 16 query rows
 BROADCAST_THREADS = 64
 PIPELINE_CAPABILITY = (8, 0)
 PIPELINE_STAGES = (3, 2)  # most preferred first
-# Split-KV, from the H200 sweep of results/nvidia-h200/splits.json: a decode program is latency-bound (a
-# lone one takes ~1.2 us per step), so short or few sequences want many splits, down to 64 tokens
-# (1 x 2048: 63 -> 18 us); but the grid should stay within one wave of resident programs, about 8 per SM
-# for the chosen configs (64 x 8192 grouped: 2 splits 626 us, 4 splits 712 us; 32 x 2048: 3 splits 103 us,
-# 5 splits 121 us).
-PROGRAMS_PER_SM = 8
+# Split-KV: a decode program is latency-bound (a lone one takes ~1.2 us per step), so short or few
+# sequences want many splits, down to 64 tokens (1 x 2048: 63 -> 18 us; results/nvidia-h200/splits.json).
+# v1's splits fill a wave of 4 programs per SM: with K loaded in memory order the sweep of split counts
+# (mid_splits.json, pps.json) was fastest at ~512 programs on the H200's 132 SMs, e.g. grouped 32 x 2048
+# 2 splits 79.3 us, 4 splits 81.9; (64, 8) 32 x 2048 81.6 us at 4 per SM against 86.4 at 8; 8 x 8192
+# 79.4 (8 splits) against 80.7 (16). v2's sub-splits keep 8 per SM: at 4, 1 x 32768 went 50.8 -> 51.6 us.
+PROGRAMS_PER_SM = 4
+SUBSPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SUBSPLITS = 8  # v2: a 512-token partition in 64-token sub-splits at most
 REDUCE_NUM_WARPS = 4
@@ -167,9 +169,9 @@ def unmasked_steps(config, head_size):
 
 
 def choose_splits(limits, programs, max_seq_len, block_n):
-    """v1's split-KV: ``(num_splits, tokens_per_split)``. As many splits as one wave of resident programs
-    holds (a grid a little over one wave costs a second one), each at least ``MIN_TOKENS_PER_SPLIT`` long;
-    one split when the grid already fills the wave."""
+    """v1's split-KV: ``(num_splits, tokens_per_split)``. As many splits as a wave of ``PROGRAMS_PER_SM``
+    programs per SM holds, each at least ``MIN_TOKENS_PER_SPLIT`` long; one split when the grid already
+    fills the wave."""
     wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     most = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(wave // max(programs, 1), most, REDUCE_MAX_SPLITS))
@@ -188,7 +190,7 @@ def choose_subsplits(limits, programs, partitions, partition_size, block_n):
     cost 3-9 us; with the combine and the reduce in one kernel, sub-splits up to half a wave won there too
     (results/nvidia-h200/v2_subs.json): 8 x 2048 and 1 x 16384 grouped 39 -> 33 us, 1 x 32768 51.5 -> 50.1
     us, MHA 1 x 8192 49.1 -> 49.6 us."""
-    wave = limits.multiprocessor_count * PROGRAMS_PER_SM
+    wave = limits.multiprocessor_count * SUBSPLIT_PROGRAMS_PER_SM
     subs = 1
     while (subs < MAX_SUBSPLITS and programs * partitions * subs * 2 <= wave
            and _next_power_of_2(partitions) * subs * 2 <= REDUCE_MAX_SPLITS  # one tile in partition_reduce_tile

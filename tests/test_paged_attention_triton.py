@@ -168,7 +168,8 @@ def test_split_kv_is_planned_from_the_sm_count():
     splits, tokens = configs.choose_splits(many, 8, 32768, 16)
     assert splits * 8 <= 132 * configs.PROGRAMS_PER_SM < (splits + 1) * 8 * 2  # one wave, nearly full
     assert splits * tokens >= 32768 > (splits - 1) * tokens and tokens % 16 == 0
-    assert configs.choose_splits(many, 64 * 8, 8192, 16) == (2, 4096)  # 1024 programs: within one wave
+    assert configs.choose_splits(many, 32 * 8, 2048, 16) == (2, 1024)  # 256 programs -> 512: 4 per SM
+    assert configs.choose_splits(many, 64 * 8, 8192, 16) == (1, 8192)  # 512 programs fill the wave
     assert configs.choose_splits(many, 8, 512, 16) == (8, 64)  # short: split down to 64 tokens
     assert configs.choose_splits(many, 8, 100, 16) == (1, 100)  # too short to split
     assert configs.choose_splits(many, 1, 10 ** 6, 16)[0] == configs.REDUCE_MAX_SPLITS  # one reduce load
