@@ -98,7 +98,7 @@ def candidate_configs(limits, head_size, block_size, query_dtype, kv_cache_dtype
                                            query_dtype, kv_cache_dtype, c.num_stages, c.use_dot) \
         <= limits.shared_memory_per_block
     warps = lambda threads: max(1, threads // limits.warp_size)  # noqa: E731
-    pipelined = tuple(limits.capability) >= PIPELINE_CAPABILITY
+    pipelined = tuple(limits.capability) >= PIPELINE_CAPABILITY and triton_3()
     broadcast = []
     if queries_per_kv == 1:  # one query row: float32 products, one whole cache block per step
         if pipelined:
@@ -108,7 +108,8 @@ def candidate_configs(limits, head_size, block_size, query_dtype, kv_cache_dtype
     found = []
     rows = max(_next_power_of_2(queries_per_kv), MIN_DOT_ROWS)
     # More than 16 query rows per program only where shared memory is plentiful (not on 48 KB parts).
-    most_rows = MAX_HEADS_BLOCK if limits.shared_memory_per_block >= BIG_SHARED_MEMORY else MIN_DOT_ROWS
+    plentiful = limits.shared_memory_per_block >= BIG_SHARED_MEMORY and triton_3()
+    most_rows = MAX_HEADS_BLOCK if plentiful else MIN_DOT_ROWS
     heads_block = min(rows, most_rows)
     while heads_block >= MIN_DOT_ROWS:
         row_groups = heads_block // MIN_DOT_ROWS
@@ -139,6 +140,19 @@ def key_rows(config, block_size):
     1 x 32768 from 59.6 to 50.2 us: loaded as [dims, tokens], K's async copies had moved twice the L2
     sectors they needed."""
     return config.use_dot and not config.prefetch and config.block_n == block_size and triton_has_permute()
+
+
+@functools.lru_cache(maxsize=None)
+def triton_3():
+    """Triton >= 3. Under Triton 2.x configs keep to what was right under 2.3.1 on the H200
+    (results/nvidia-h200/triton231.json): the kernel's own prefetch, never Triton's pipeliner (its pipelined
+    paths got 9 of the 20 golden cases wrong, by up to 4.6), and at most 16 query rows per program (64 rows
+    crashed its compiler). Imported on first use, like ``triton_has_permute``."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return int(triton.__version__.split(".")[0]) >= 3
 
 
 @functools.lru_cache(maxsize=None)

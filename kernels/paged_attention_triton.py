@@ -25,7 +25,9 @@ splits. v1 picks its own splits to fill one wave of resident programs; v2 uses v
 partitions and buffers, and where they leave SMs idle cuts each into sub-splits that
 ``_partition_reduce_kernel`` combines into the partition outputs and reduces, in one launch.
 
-Language: only what Triton 2.3 has (``tl.math.exp2``, ``tl.static_range``, ``.to()``, plain ``range``).
+Language: only what Triton 2.3 has (``tl.math.exp2``, ``tl.static_range``, ``.to()``, plain ``range``), and
+Triton 2.3's typing: a Python scalar beside a bfloat16 tensor makes float32 there (zeros of its dtype instead).
+Run on the H200 under Triton 2.3.1 too (results/nvidia-h200/triton231.json).
 A sequence whose length exceeds ``max_seq_len`` or its block-table row, or that uses a block id
 outside the cache, is never read out of bounds: its ``out`` becomes NaN.
 """
@@ -189,7 +191,7 @@ def _attend_step(q, k, v, tokens, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
     would reach the output)."""
     if MASKED:
         token_ok = tokens < end
-        v = tl.where(token_ok[:, None], v, 0)
+        v = tl.where(token_ok[:, None], v, tl.zeros(v.shape, v.dtype))  # a scalar 0 made bfloat16 float32 in 2.3
     if KV_FORMAT != 0:
         k = _decode_fp8(k, KV_FORMAT).to(q.dtype)
         v = _decode_fp8(v, KV_FORMAT).to(q.dtype)
@@ -467,8 +469,8 @@ def _partition_reduce_kernel(
     (max = max_s max_s, w_s = exp_sum_s * exp(max_s - max), exp_sum = sum_s w_s, tmp_out = sum_s out_s
     * w_s / (exp_sum + 1e-6); a NaN sub-split makes its partition NaN), written where the partition
     holds tokens; then ``_reduce_kernel``'s combination of those partitions (from tmp_out as stored, in
-    the query dtype, as vLLM's reduce reads it) into ``out``. All partitions in one [PARTS_BLOCK, SUBS,
-    DIMS_BLOCK] load: a launch fewer than a partition kernel followed by the reduce."""
+    the query dtype, as vLLM's reduce reads it) into ``out``. All partitions at once, in [PARTS_BLOCK,
+    DIMS_BLOCK] tiles, one per sub-split: a launch fewer than a partition kernel followed by the reduce."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dim_chunk = tl.program_id(2)
@@ -492,10 +494,22 @@ def _partition_reduce_kernel(
     shift = tl.where(part_top == float("-inf"), 0.0, part_top)  # (no -inf - -inf for empty partitions)
     weight = tl.where(sub_ok, sub_sum * tl.math.exp2((sub_max - shift[:, None]) * 1.4426950408889634), 0.0)
     part_total = tl.sum(weight, axis=1)
-    sub_out = tl.load(sub_tmp_ptr + seq.to(tl.int64) * stride_st0 + head * stride_st1
-                      + subs[:, :, None] * stride_st2 + dims[None, None, :] * stride_st3,
-                      mask=sub_ok[:, :, None] & dim_ok[None, None, :], other=0.0)
-    part_out = tl.sum(sub_out * weight[:, :, None], axis=1) / (part_total[:, None] + 1e-6)
+    # One sub-split column at a time: Triton 2.3.1's compiler aborted on a [parts, subs, dims] tile (H200).
+    part_out = tl.zeros([PARTS_BLOCK, DIMS_BLOCK], dtype=tl.float32)
+    for sub in tl.static_range(SUBS):
+        column = parts * SUBS + sub
+        column_ok = (column * sub_tokens < written_len) & in_grid
+        column_max = tl.load(sub_max_ptr + seq * stride_sm0 + head * stride_sm1 + column * stride_sm2,
+                             mask=column_ok, other=float("-inf"))
+        column_sum = tl.load(sub_sums_ptr + seq * stride_se0 + head * stride_se1 + column * stride_se2,
+                             mask=column_ok, other=0.0)
+        column_weight = tl.where(column_ok, column_sum * tl.math.exp2((column_max - shift) * 1.4426950408889634),
+                                 0.0)
+        column_out = tl.load(sub_tmp_ptr + seq.to(tl.int64) * stride_st0 + head * stride_st1
+                             + column[:, None] * stride_st2 + dims[None, :] * stride_st3,
+                             mask=column_ok[:, None] & dim_ok[None, :], other=0.0)
+        part_out += column_out * column_weight[:, None]
+    part_out = part_out / (part_total[:, None] + 1e-6)
     part_out = tl.where(part_broken[:, None], float("nan"), part_out)
     part_max = tl.where(part_broken, float("nan"), part_top)
     part_sum = tl.where(part_broken, float("nan"), part_total)
@@ -531,53 +545,92 @@ class _Launcher:
     """One kernel's launches. Pointer arguments come as raw addresses, their tensors beside them (in the
     order of the kernel's ``*_ptr`` parameters). The first launch of a specialisation goes through
     Triton's JIT (compile or cache) with the tensors put back; later ones call the compiled kernel's
-    launcher directly (Triton >= 3) with the addresses, which skips re-binding and re-specialising ~60
-    arguments and a driver pointer query per tensor: most of a decode call's host time. The caller's key
-    must hold everything Triton specialises on that can change between calls (strides, pointer
-    alignment); the per-call integers are ``do_not_specialize``. Triton 2.x and the interpreter always
-    take the JIT path."""
+    launcher directly with the addresses, which skips re-binding and re-specialising ~60 arguments and a
+    driver pointer query per tensor: most of a decode call's host time (Triton 2.3's JIT path alone took
+    72 us a call). The caller's key must hold everything Triton specialises on that can change between
+    calls (strides, pointer alignment); the per-call integers are ``do_not_specialize``. Launchers of
+    other Triton versions, and the interpreter, always take the JIT path; so does a kernel whose launcher
+    refuses the direct call's arguments (a vendor build laid out otherwise), from its first refusal on."""
 
     def __init__(self, fn):
         self.fn = fn
         self.pointer_positions = tuple(i for i, name in enumerate(fn.arg_names) if name.endswith("_ptr"))
         self.kernels = {}
         self.last = (None, None)  # (key, launch) of the last direct launch: decode steps repeat it
+        self.direct = _DIRECT_LAUNCH
 
     def __call__(self, key, grid, device, args, tensors, make_constants):
         last_key, launch = self.last
         if key != last_key:  # tuple equality: cheaper than hashing the ~30 strides in the key
             launch = self.kernels.get(key)
             if launch is not None:
+                if not self._first_direct(launch, grid, device, args):
+                    return self._jit(key, grid, args, tensors, make_constants)
                 self.last = (key, launch)
+                return
         if launch is not None:
-            entry, leading, constexpr_tail = launch
-            entry(grid[0], grid[1], grid[2], _current_stream(device.index), *leading, *args, *constexpr_tail)
+            entry, before_stream, after_stream, tail = launch
+            entry(grid[0], grid[1], grid[2], *before_stream, _current_stream(device.index), *after_stream, *args,
+                  *tail)
             return
+        self._jit(key, grid, args, tensors, make_constants)
+
+    def _first_direct(self, launch, grid, device, args):
+        """A specialisation's first direct launch; False (and JIT from then on) where the launcher refuses it.
+        Argument parsing comes before the launch, so a refusal launched nothing."""
+        entry, before_stream, after_stream, tail = launch
+        try:
+            entry(grid[0], grid[1], grid[2], *before_stream, _current_stream(device.index), *after_stream, *args,
+                  *tail)
+        except (TypeError, SystemError, OverflowError):
+            self.direct = False
+            self.kernels.clear()
+            self.last = (None, None)
+            return False
+        return True
+
+    def _jit(self, key, grid, args, tensors, make_constants):
         args = list(args)
         for position, tensor in zip(self.pointer_positions, tensors):
             args[position] = tensor
         constants = make_constants()
         kernel = self.fn[grid](*args, **constants)
-        if _DIRECT_LAUNCH and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
-            constexpr_tail = tuple(constants[name] for name in self.fn.arg_names[len(args):])
-            self.kernels[key] = _direct_entry(kernel) + (constexpr_tail,)
+        if self.direct:
+            launch = _direct_entry(kernel, constants, self.fn.arg_names[len(args):])
+            if launch is not None:
+                self.kernels[key] = launch
 
 
-def _direct_entry(kernel):
-    """(callable, its arguments between the stream and the kernel's own) for a compiled kernel: Triton's
-    ``kernel.run``, or on Triton 3.6 (whose launcher this was checked against) the C launch function that
-    ``kernel.run`` wraps, where the kernel needs no scratch memory: about 1.7 us less per launch (a Python
-    frame, a closure and two allocator calls)."""
-    run = kernel.run
-    launch = getattr(run, "launch", None)
-    if (_BARE_LAUNCH and callable(launch) and getattr(run, "global_scratch_size", None) == 0
-            and getattr(run, "profile_scratch_size", None) == 0 and hasattr(run, "launch_cooperative_grid")
-            and hasattr(run, "launch_pdl")):
-        # launch(grid x, y, z, stream, function, cooperative grid, PDL, global scratch, profile scratch,
-        #        metadata, launch metadata, enter hook, exit hook, *arguments)
-        return launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                        kernel.packed_metadata, None, None, None)
-    return run, (kernel.function, kernel.packed_metadata, None, None, None)
+def _direct_entry(kernel, constants, constexpr_names):
+    """(callable, its arguments before the stream, after it, after the kernel's own) for a compiled kernel,
+    on the Triton versions whose launchers these layouts were checked against; None elsewhere.
+
+    Triton 3.6, where the kernel needs no scratch memory: the C launch function that ``kernel.run`` wraps
+    (about 1.7 us less per launch than ``kernel.run``: a Python frame, a closure and two allocator calls).
+    Other 3.x: ``kernel.run``. Triton 2.3 (the BI-V100's 2.3.1; TMA descriptors excluded): its launcher, as
+    its JIT calls it, with the non-constexpr arguments only."""
+    if _TRITON_VERSION >= (3, 0):
+        if not (hasattr(kernel, "packed_metadata") and hasattr(kernel, "function")):
+            return None
+        tail = tuple(constants[name] for name in constexpr_names)
+        run = kernel.run
+        launch = getattr(run, "launch", None)
+        if (_BARE_LAUNCH and callable(launch) and getattr(run, "global_scratch_size", None) == 0
+                and getattr(run, "profile_scratch_size", None) == 0 and hasattr(run, "launch_cooperative_grid")
+                and hasattr(run, "launch_pdl")):
+            # launch(grid x, y, z, stream, function, cooperative grid, PDL, global scratch, profile scratch,
+            #        metadata, launch metadata, enter hook, exit hook, *arguments)
+            return launch, (), (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                                kernel.packed_metadata, None, None, None), tail
+        return run, (), (kernel.function, kernel.packed_metadata, None, None, None), tail
+    cluster = getattr(kernel, "cluster_dims", None)
+    if getattr(kernel, "tensormaps_info", None) or cluster is None or len(cluster) != 3:
+        return None
+    # run(grid x, y, z, num_warps, num_ctas, cluster x, y, z, shared, stream, function, enter hook, exit hook,
+    #     compiled kernel, *arguments)
+    run = kernel.run  # (reading it loads the binary onto the device once)
+    return run, (kernel.num_warps, kernel.num_ctas, *cluster, kernel.shared), (kernel.function, None, None,
+                                                                                  kernel), ()
 
 
 def _triton_version():
@@ -588,7 +641,8 @@ def _triton_version():
 
 
 _TRITON_VERSION = _triton_version()
-_DIRECT_LAUNCH = _TRITON_VERSION >= (3, 0) and hasattr(torch._C, "_cuda_getCurrentRawStream")
+_DIRECT_LAUNCH = (_TRITON_VERSION >= (3, 0) or _TRITON_VERSION == (2, 3)) and hasattr(torch._C,
+                                                                                  "_cuda_getCurrentRawStream")
 _BARE_LAUNCH = _DIRECT_LAUNCH and _TRITON_VERSION == (3, 6)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _attention = _Launcher(_attention_kernel)

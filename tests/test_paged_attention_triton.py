@@ -23,6 +23,9 @@ SPLITTING = get_backend("triton", limits=SPLITTING_LIMITS)
 BI_V100 = DeviceLimits(48 * 1024, 16, 64, (7, 0))
 # An H200's figures: grouped heads take the pipelined tl.dot path, whose whole steps load unmasked.
 H200 = DeviceLimits(232448, 132, 32, (9, 0))
+# Under Triton 2.x (configs.triton_3) the H200's figures pick the prefetch path and 16-row programs.
+TRITON_3 = pytest.mark.skipif(not configs.triton_3(),
+                              reason="Triton 2.x keeps to the prefetch path and 16 query rows per program")
 
 
 # --- golden cases --------------------------------------------------------------------------------
@@ -186,6 +189,20 @@ def test_bi_v100_limits_pick_48kb_configs_with_one_warp_of_64():
                                                      kv_cache_dtype, 1) <= 48 * 1024
 
 
+def test_triton_2_keeps_to_the_configs_it_got_right(monkeypatch):
+    """Triton 2.3.1 compiled the pipelined paths wrong on the H200, and crashed on 64-row programs: under
+    Triton 2.x every config of an H200's figures is the kernel's own prefetch with one stage and at most
+    16 query rows, grouped or not."""
+    monkeypatch.setattr(configs, "triton_3", lambda: False)
+    for group in (1, 4, 8, 64):
+        for block_size in (8, 16, 32):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                config = configs.choose_config(H200, 128, block_size, dtype, "auto", group)
+                assert config.prefetch and config.num_stages == 1 and config.heads_block <= 16
+                assert not configs.key_rows(config, block_size) and not configs.unmasked_steps(config, 128)
+
+
+@TRITON_3
 def test_large_shared_memory_groups_query_heads_in_one_program():
     h200 = DeviceLimits(232448, 132, 32, (9, 0))
     assert configs.choose_config(h200, 128, 16, torch.float16, "auto", 8).heads_block == 16
@@ -200,6 +217,7 @@ def test_limits_narrowed_to_a_budget():
     assert limits.with_shared_memory_limit(None) is limits
 
 
+@TRITON_3
 def test_unmasked_steps_only_where_head_size_fills_the_tile():
     for head_size, expected in ((128, True), (64, True), (96, False), (120, False)):
         config = configs.choose_config(H200, head_size, 16, torch.float16, "auto", 4)
@@ -208,6 +226,7 @@ def test_unmasked_steps_only_where_head_size_fills_the_tile():
     assert not configs.unmasked_steps(configs.choose_config(BI_V100, 128, 16, torch.float16, "auto", 4), 128)
 
 
+@TRITON_3
 @pytest.mark.parametrize("head_size,block_size", [(128, 16), (64, 8), (128, 32)])
 def test_unmasked_whole_steps_match_reference(head_size, block_size, device):
     """The pipelined path's unmasked loads: partial last steps, split-KV and v2 sub-splits, NaN past the ends
@@ -223,6 +242,7 @@ def test_unmasked_whole_steps_match_reference(head_size, block_size, device):
                                        golden.random_tolerance(inputs))
 
 
+@TRITON_3
 def test_key_rows_only_on_the_pipelined_dot_path(monkeypatch):
     """K in its memory order: the pipelined tl.dot path with one cache block per step, and only where Triton
     has tl.permute (Triton 2.x, the BI-V100's 2.3.1 included, keeps the [dims, tokens] load). One query row
@@ -238,6 +258,7 @@ def test_key_rows_only_on_the_pipelined_dot_path(monkeypatch):
     assert not configs.key_rows(config(H200, 16, 4), 16) and not config(H200, 16, 1).use_dot
 
 
+@TRITON_3
 @pytest.mark.parametrize("dtype,kv_cache_dtype,head_size,block_size", [
     (torch.float16, "auto", 96, 16),         # rows of dims past head_size masked
     (torch.bfloat16, "fp8_e4m3", 128, 32),   # X = 16 (one byte per element), 32-token blocks
