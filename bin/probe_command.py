@@ -149,6 +149,12 @@ def summary(found):
             lines.append(f"  {mark} {entry['step']} {entry['title']:<42} {entry['seconds']:7.2f} s{error}")
     decision = found.get("decision") or {}
     lines.append(f"decision  {decision.get('backend')}: {decision.get('reason')}")
+    for key in decision.get("excluded_variants") or []:
+        _, head_pad, _, block_size, dtype, kv_cache_dtype, block_n, rows, warps, stages, use_dot, prefetch = key
+        lines.append(f"excluded  head sizes padded to {head_pad}, block {block_size}, {dtype}, cache {kv_cache_dtype} "
+                     f"({rows} query rows, {block_n}-token steps, {warps} warps, {stages} stages, "
+                     f"{'tl.dot' if use_dot else 'broadcast'}, {'prefetch' if prefetch else 'pipelined'}): "
+                     "such calls use the PyTorch backend")
     where = storage.get("path")
     if where:
         kept = "kept" if storage.get("written") or storage.get("reused") else "NOT kept"

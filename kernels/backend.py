@@ -45,16 +45,17 @@ class PagedAttentionBackend:
             exp_sums=exp_sum, max_logits=max_logits, tmp_out=tmp_out))
 
 
-def get_backend(name, *, limits=None, validate_tables=False):
+def get_backend(name, *, limits=None, validate_tables=False, excluded=()):
     """The backend called ``name`` ("triton" or "torch").
 
     ``limits`` (a ``limits.DeviceLimits``) bounds the Triton configs; left out, they are read
-    from the tensors' device at the first call.
+    from the tensors' device at the first call. ``excluded``: the Triton kernel variants
+    (``configs.attention_key`` lists) whose calls it refuses, raising ``VariantExcluded``.
     """
     if name == "torch":
         from .paged_attention_torch import forward
         return PagedAttentionBackend("torch", forward, validate_tables)
     if name == "triton":
         from .paged_attention_triton import make_forward
-        return PagedAttentionBackend("triton", make_forward(limits), validate_tables)
+        return PagedAttentionBackend("triton", make_forward(limits, excluded), validate_tables)
     raise ValueError(f"name: must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")

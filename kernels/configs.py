@@ -182,6 +182,14 @@ def unmasked_steps(config, head_size):
     return config.use_dot and not config.prefetch and head_size == _next_power_of_2(head_size)
 
 
+def attention_key(head_size, block_size, dtype, kv_cache_dtype, config):
+    """The attention binary a call runs, as a JSON-friendly list: calls with equal keys share one binary. The
+    probe records the keys whose calls it found wrong; the Triton backend refuses those calls (see
+    ``paged_attention_triton.make_forward``). ``dtype``: a torch dtype or its name."""
+    return ["attention", _next_power_of_2(head_size), unmasked_steps(config, head_size), block_size,
+            str(dtype).replace("torch.", ""), kv_cache_dtype, *dataclasses.astuple(config)]
+
+
 def choose_splits(limits, programs, max_seq_len, block_n):
     """v1's split-KV: ``(num_splits, tokens_per_split)``. As many splits as a wave of ``PROGRAMS_PER_SM``
     programs per SM holds, each at least ``MIN_TOKENS_PER_SPLIT`` long; one split when the grid already

@@ -659,15 +659,22 @@ def _scale_argument(value, device):
     return float(value), False
 
 
-def make_forward(limits=None):
+class VariantExcluded(RuntimeError):
+    """A call whose kernel variant the probe found wrong on this device (raised before anything is written)."""
+
+
+def make_forward(limits=None, excluded=()):
     """``forward(call: contract.DecodeCall) -> None`` for the Triton backend.
 
     ``limits`` (``limits.DeviceLimits``) bounds the configs; left out, each device's limits are measured at
     its first call (CPU tensors under ``TRITON_INTERPRET=1`` use ``configs.INTERPRETER_LIMITS``). Launch
     decisions are cached per call shape (not per max_seq_len, which changes every decode step).
+    ``excluded``: ``configs.attention_key`` lists of variants the probe found wrong; a call that would run one
+    raises ``VariantExcluded`` (the patch then routes its shape to the PyTorch backend).
     """
     plans = {}
     device_limits = {}
+    excluded = {tuple(key) for key in excluded}
 
     def limits_for(device):
         found = device_limits.get(device)
@@ -690,6 +697,10 @@ def make_forward(limits=None):
         plan = plans.get(key)
         if plan is None:
             plan = plans[key] = _plan(call, limits_for(call.device))
+            plan.excluded = bool(excluded) and tuple(configs.attention_key(
+                call.head_size, call.block_size, call.query.dtype, call.kv_cache_dtype, plan.config)) in excluded
+        if plan.excluded:
+            raise VariantExcluded(f"the probe found this shape's kernel variant wrong on this device ({plan.config})")
         _launch(call, plan)
 
     return forward
@@ -699,7 +710,7 @@ class _Plan:
     """Everything about a launch that depends only on the call's shapes (cached per shape)."""
 
     __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "splits", "scratch", "token",
-                 "dense_args")
+                 "dense_args", "excluded")
 
     def splits_for(self, call):
         """(num_splits, tokens_per_split, subs, reduce tile): v1 its own split-KV (``subs`` 1); v2 vLLM's

@@ -106,8 +106,10 @@ def _make_ops(decision, validate_tables):
 
     from .runtime import PatchedOps
     name = decision["backend"]
+    # Variants the probe found wrong here: their calls raise, and PatchedOps routes those shapes to torch.
+    options = {"excluded": decision.get("excluded_variants") or ()} if name == "triton" else {}
     try:
-        return PatchedOps(get_backend(name, validate_tables=validate_tables), validate_tables)
+        return PatchedOps(get_backend(name, validate_tables=validate_tables, **options), validate_tables)
     except Exception as error:
         if name == "torch":
             raise

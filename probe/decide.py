@@ -125,8 +125,13 @@ def decide_from_checks(checks, timeout, bench):
             reason = (f"Triton step {failed['step']} ({failed['title']}) failed ({record.summary_line(failed['error'])}), "
                       "so the PyTorch backend is used.")
         return {"backend": "torch", "reason": reason, "source": "probe"}
-    matched = next((entry["details"].get("compared") for entry in checks if entry["name"] == "variants_match"), None)
-    what = f"{matched} kernel variants matched the PyTorch backend" if matched else "every check passed"
+    variants = next((entry["details"] for entry in checks if entry["name"] == "variants_match"), None) or {}
+    compared, excluded = variants.get("compared"), variants.get("excluded") or []
+    if excluded:
+        what = (f"{compared - variants.get('failed', 0)} of {compared} kernel variants matched the PyTorch backend; "
+                f"the shapes of the {len(excluded)} that did not use it instead")
+    else:
+        what = f"{compared} kernel variants matched the PyTorch backend" if compared else "every check passed"
     if bench:
         shapes = next((entry["details"].get("shapes") for entry in checks if entry["name"] == "bench"), None) or []
         slower = [shape for shape in shapes
@@ -140,8 +145,11 @@ def decide_from_checks(checks, timeout, bench):
         if shapes:
             speedup = min(shape["speedup"] for shape in shapes)
             what += f" and Triton was not slower on the decode benchmark (at least {speedup:.2f}x PyTorch's speed)"
-    return {"backend": "triton", "reason": f"Triton passed the probe ({what}), so the Triton kernels are used.",
-            "source": "probe"}
+    decision = {"backend": "triton", "reason": f"Triton passed the probe ({what}), so the Triton kernels are used.",
+                "source": "probe"}
+    if excluded:
+        decision["excluded_variants"] = excluded
+    return decision
 
 
 def _base_record(host, version_report, device, checks, decision, bench, started):

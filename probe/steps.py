@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import statistics
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
@@ -175,7 +176,9 @@ def _kernel_variants(context):
         seen.add(variant.compile_key())
         entry = {"kernel": "v2", "head_size": variant.head_size, "block_size": variant.block_size,
                  "dtype": variant.dtype, "kv_cache_dtype": variant.kv_cache_dtype, "num_heads": group,
-                 "num_kv_heads": 1}
+                 "num_kv_heads": 1, "variant_key": configs.attention_key(variant.head_size, variant.block_size,
+                                                                         variant.dtype, variant.kv_cache_dtype,
+                                                                         variant.config)}
         chosen.append(entry)
         v1_key = (variant.dtype, variant.kv_cache_dtype)
         if (configs._next_power_of_2(variant.head_size), variant.block_size) == (
@@ -230,19 +233,50 @@ def _compare_variants_on(device_index, variants_to_run):
 # Compiling is what step 3 spends its time on (dozens of kernels, seconds each), so on a GPU the
 # variants are shared out over worker processes that compile side by side.
 MAX_COMPILE_WORKERS = 8
+PROCESS_DIED = "its process died while compiling or running it (a compiler crash?)"
+
+
+def _compare_in_pool(device_index, to_run, workers, compare=_compare_variants_on):
+    """``compare`` over ``workers`` processes, a share of the variants each: (entries, compiled binaries).
+    Raises ``BrokenProcessPool`` when a worker dies."""
+    chunks = [to_run[start::workers] for start in range(workers)]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(compare, [device_index] * workers, chunks))
+    return [entry for entries, _ in results for entry in entries], [b for _, binaries in results for b in binaries]
+
+
+def _compare_alone(device_index, variant, compare):
+    """One variant in a process of its own: its entry (failed if the process died) and binaries."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            entries, binaries = pool.submit(compare, device_index, [variant]).result()
+        except BrokenProcessPool:
+            return dict(variant, ok=False, error=PROCESS_DIED), []
+    return entries[0], binaries
+
+
+def _compare_isolated(device_index, to_run, workers, compare=_compare_variants_on):
+    """Each variant in a process of its own, ``workers`` at a time: one whose process dies fails alone."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as threads:
+        results = list(threads.map(lambda variant: _compare_alone(device_index, variant, compare), to_run))
+    return [entry for entry, _ in results], [b for _, binaries in results for b in binaries]
 
 
 def variants_match(context):
-    """Each variant against the PyTorch backend on a small paged case, within the contract tolerance."""
+    """Each variant against the PyTorch backend on a small paged case, within the contract tolerance.
+
+    Passes while at least one variant matches and every failure names its kernel variant: those are listed
+    under ``excluded`` (``configs.attention_key`` lists), and the patch routes their calls to the PyTorch
+    backend. A worker that dies (a compiler crash takes its process) costs a second round with each variant
+    in a process of its own, so the crash is pinned on its variant."""
     device = _device(context)
     to_run = _kernel_variants(context)
     workers = min(MAX_COMPILE_WORKERS, os.cpu_count() or 1, len(to_run))
     if device.type == "cuda" and workers > 1:
-        chunks = [to_run[start::workers] for start in range(workers)]
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(_compare_variants_on, [device.index] * workers, chunks))
-        compared = [entry for entries, _ in results for entry in entries]
-        compiled = [binary for _, binaries in results for binary in binaries]
+        try:
+            compared, compiled = _compare_in_pool(device.index, to_run, workers)
+        except BrokenProcessPool:
+            compared, compiled = _compare_isolated(device.index, to_run, workers)
     else:
         triton_backend = get_backend("triton", limits=device_limits(context))
         torch_backend = get_backend("torch")
@@ -253,11 +287,13 @@ def variants_match(context):
     details = {"variants": compared, "compared": len(compared), "failed": len(failures), "compiled": compiled}
     if not compared:
         raise StepFailure("the kernels list no variant for this device", details)
-    if failures:
+    if failures and (len(failures) == len(compared) or not all(entry.get("variant_key") for entry in failures)):
         first = failures[0]
         raise StepFailure(f"{len(failures)} of {len(compared)} variants failed; first: {first['kernel']} "
                           f"head {first['head_size']} block {first['block_size']} {first['dtype']} "
                           f"{first['kv_cache_dtype']}: {first['error']}", details)
+    if failures:
+        details["excluded"] = [list(key) for key in sorted({tuple(entry["variant_key"]) for entry in failures})]
     return details
 
 

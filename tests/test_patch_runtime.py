@@ -1,5 +1,6 @@
 """The runtime wrapper: a Triton failure for one shape falls back to torch once, correctly, and stays there."""
 
+import importlib
 import logging
 import math
 import threading
@@ -144,3 +145,42 @@ def test_torch_primary_has_no_fallback_path(device):
     case = paged_case(device, torch.float32, [600, 9], head_size=64)
     assert max_error(v2_call(ops, case), case) < 1e-4
     assert ops.routed == {} and ops.name == "torch"
+
+
+def test_a_variant_the_probe_excluded_runs_on_torch_from_its_first_call(caplog, monkeypatch, device):
+    """The probe's ``excluded_variants``: the Triton backend refuses their calls before writing anything, and
+    the shape is routed to torch (one warning, one event) with a correct result; other variants stay on Triton."""
+    from biv100_patch.kernels import configs
+
+    monkeypatch.delenv("BIV100_PATCH_STRICT", raising=False)
+    limits = configs.INTERPRETER_LIMITS
+    config = configs.choose_config(limits, 80, 16, torch.float32, "auto", 2)
+    excluded = [configs.attention_key(80, 16, torch.float32, "auto", config)]
+    events = []
+    ops = PatchedOps(get_backend("triton", limits=limits, excluded=excluded), record_event=events.append)
+    case = paged_case(device, torch.float32, [40, 530], head_size=80)
+    assert max_error(v2_call(ops, case), case) < 1e-4
+    [event] = events
+    assert event["shape"]["head_size"] == 80 and "VariantExcluded: the probe found" in event["error"]
+    assert len(warnings_of(caplog)) == 1 and len(ops.routed_shapes()) == 1
+
+    fine = paged_case(device, torch.float32, [40], head_size=64)  # pads to another binary: still Triton
+    assert max_error(v1_call(ops, fine), fine) < 1e-4
+    assert len(events) == 1 and len(ops.routed_shapes()) == 1
+
+
+def test_the_decisions_excluded_variants_reach_the_triton_backend(monkeypatch, device):
+    """``apply``'s ops for a triton decision carrying ``excluded_variants``: those calls go to torch."""
+    from biv100_patch.kernels import configs
+    from biv100_patch.kernels.limits import DeviceLimits
+
+    patch_apply = importlib.import_module("biv100_patch.patches.apply")  # the package's ``apply`` is the function
+    monkeypatch.delenv("BIV100_PATCH_STRICT", raising=False)
+    limits = configs.INTERPRETER_LIMITS if device.type == "cpu" else DeviceLimits.from_torch_device(device)
+    config = configs.choose_config(limits, 64, 16, torch.float32, "auto", 2)
+    decision = {"backend": "triton", "excluded_variants": [configs.attention_key(64, 16, "float32", "auto", config)]}
+    ops = patch_apply._make_ops(decision, validate_tables=False)
+    ops._record_event = lambda event: None
+    case = paged_case(device, torch.float32, [40], head_size=64)
+    assert max_error(v1_call(ops, case), case) < 1e-4
+    assert [shape[2] for shape in ops.routed_shapes()] == [64]

@@ -300,6 +300,63 @@ def test_variants_step_names_the_variant_that_differs(monkeypatch):
     assert failure.value.details["failed"] == 1
 
 
+def test_variants_step_excludes_the_variants_that_differ_when_others_match(monkeypatch):
+    """Some variants wrong: the step passes, listing their kernel keys under ``excluded`` (the patch routes
+    those shapes to torch); the decision stays triton, says so and carries the keys."""
+    from biv100_patch.kernels import get_backend
+    from biv100_patch.probe import steps
+
+    class WrongOnV1:
+        def paged_attention_v1(self, out, *arguments, **options):
+            get_backend("torch").paged_attention_v1(out, *arguments, **options)
+            out.add_(0.125)
+
+        def paged_attention_v2(self, *arguments, **options):
+            get_backend("torch").paged_attention_v2(*arguments, **options)
+
+    wrong, right = ["attention", 64, True, 16, "float16", "auto", 16, 16, 1, 1, True, True], ["attention", 64]
+    monkeypatch.setattr(steps, "_kernel_variants", lambda context: [dict(VARIANT_V1_FP16, variant_key=wrong),
+                                                                    dict(VARIANT_V2_BF16, variant_key=right)])
+    monkeypatch.setattr(steps, "get_backend", lambda name, **options: WrongOnV1() if name == "triton"
+                        else get_backend(name))
+    details = steps.variants_match(dict(CPU_CONTEXT))
+    assert (details["compared"], details["failed"], details["excluded"]) == (2, 1, [wrong])
+
+    checks = [{"step": 3, "name": "variants_match", "title": "t", "status": "passed", "error": None,
+               "details": details}]
+    decision = decide.decide_from_checks(checks, 180, bench=False)
+    assert decision["backend"] == "triton" and decision["excluded_variants"] == [wrong]
+    assert "1 of 2 kernel variants matched the PyTorch backend; the shapes of the 1 that did not use it" \
+        in decision["reason"]
+
+
+def test_the_summary_names_the_excluded_variants():
+    from biv100_patch.probe_command import summary
+
+    key = ["attention", 256, False, 16, "float32", "auto", 16, 16, 1, 1, True, True]
+    text = summary({"decision": {"backend": "triton", "reason": "r", "excluded_variants": [key]}})
+    assert ("excluded  head sizes padded to 256, block 16, float32, cache auto (16 query rows, 16-token steps, "
+            "1 warps, 1 stages, tl.dot, prefetch): such calls use the PyTorch backend") in text
+
+
+def test_a_step_3_worker_that_dies_is_pinned_on_its_variant():
+    """A compiler crash takes its worker process and the whole pool with it: each variant then runs in a
+    process of its own, and only the one that dies fails."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from biv100_patch.probe import steps
+    from tests import probe_fakes
+
+    variants = [dict(VARIANT_V1_FP16, variant_key=["a"]), dict(VARIANT_V2_BF16, variant_key=["b"], crash=True),
+                dict(VARIANT_V1_FP16, head_size=128, variant_key=["c"])]
+    with pytest.raises(BrokenProcessPool):
+        steps._compare_in_pool(0, variants, 2, compare=probe_fakes.compare_or_die)
+    entries, compiled = steps._compare_isolated(0, variants, 2, compare=probe_fakes.compare_or_die)
+    assert [(entry["variant_key"], entry["ok"]) for entry in entries] == [(["a"], True), (["b"], False),
+                                                                         (["c"], True)]
+    assert entries[1]["error"] == steps.PROCESS_DIED and len(compiled) == 2
+
+
 def test_non_finite_measurements_are_kept_as_json(fake_gpu):
     def nan_ladder(**options):
         outcome = passing_ladder(**options)
