@@ -19,6 +19,7 @@ from tests.probe_fakes import BI_V100, passing_ladder
 from tests.probe_fixtures import fake_gpu, state  # noqa: F401 (fixtures)
 
 
+@pytest.mark.cpu_machine
 def test_cpu_decision_is_torch_no_accelerator(state):
     found = probe.get_decision(progress=False)
     assert found["decision"] == {"backend": "torch", "source": "no accelerator", "reason": (
