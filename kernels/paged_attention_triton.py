@@ -564,7 +564,7 @@ class _Launcher:
         if key != last_key:  # tuple equality: cheaper than hashing the ~30 strides in the key
             launch = self.kernels.get(key)
             if launch is not None:
-                if not self._first_direct(launch, grid, device, args):
+                if not self._launch_checked(launch, grid, device, args):
                     return self._jit(key, grid, args, tensors, make_constants)
                 self.last = (key, launch)
                 return
@@ -575,9 +575,10 @@ class _Launcher:
             return
         self._jit(key, grid, args, tensors, make_constants)
 
-    def _first_direct(self, launch, grid, device, args):
-        """A specialisation's first direct launch; False (and JIT from then on) where the launcher refuses it.
-        Argument parsing comes before the launch, so a refusal launched nothing."""
+    def _launch_checked(self, launch, grid, device, args):
+        """A direct launch after a change of key (a specialisation's first included); False, and the JIT from
+        then on, where the launcher refuses it. Argument parsing comes before the launch: a refusal launched
+        nothing."""
         entry, before_stream, after_stream, tail = launch
         try:
             entry(grid[0], grid[1], grid[2], *before_stream, _current_stream(device.index), *after_stream, *args,
