@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import os
+from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from . import configs, contract
@@ -102,13 +103,27 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
         unique.setdefault(variant.compile_key(), variant)
     workers = workers or max(1, min(os.cpu_count() or 1, len(unique)))
     outcomes = {}
+
+    def record(key, outcome):
+        outcomes[key] = outcome
+        if progress is not None:
+            progress(len(outcomes), len(unique))
+
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = {pool.submit(_compile_one, variant, capability, warp_size): key for key, variant in unique.items()}
-        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            outcomes[futures[future]] = future.result()
-            if progress is not None:
-                progress(done, len(futures))
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            futures = {pool.submit(_compile_one, variant, capability, warp_size): key
+                       for key, variant in unique.items()}
+            for future in concurrent.futures.as_completed(futures):
+                record(futures[future], future.result())
+    except BrokenProcessPool:
+        # A compiler abort takes its worker and the pool (Triton 2.3.1 aborts on some kernels): the rest
+        # compile in a process each, so the crash is pinned on its variant.
+        left = [(key, variant) for key, variant in unique.items() if key not in outcomes]
+        with concurrent.futures.ThreadPoolExecutor(workers) as threads:
+            for key, outcome in threads.map(lambda item: (item[0], _compile_alone(item[1], capability, warp_size)),
+                                            left):
+                record(key, outcome)
     results = []
     for variant in variants:
         shared, error = outcomes[variant.compile_key()]
@@ -127,12 +142,21 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
     return results
 
 
+def _compile_alone(variant, capability, warp_size):
+    """``_compile_one`` in a process of its own: a compiler abort fails this variant alone."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            return pool.submit(_compile_one, variant, capability, warp_size).result()
+        except BrokenProcessPool:
+            return None, "the compiler crashed (its process died)"
+
+
 def _compile_one(variant, capability, warp_size):
     """(shared bytes, None) or (None, error message); runs in a worker process."""
     os.environ.pop("TRITON_INTERPRET", None)
     try:
         import triton
-        from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
         from . import paged_attention_triton as kernels
@@ -145,12 +169,44 @@ def _compile_one(variant, capability, warp_size):
             fn, constants, options = _reduce_source(variant)
             fn = kernels._reduce_kernel
         signature, constexprs, attrs = _signature(fn, variant, constants)
+        if int(triton.__version__.split(".")[0]) < 3:
+            return _compile_triton_2(fn, signature, constexprs, options, capability), None
+        from triton.backends.compiler import GPUTarget
+
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                   target=GPUTarget("cuda", capability[0] * 10 + capability[1], warp_size),
                                   options=options)
         return int(compiled.metadata.shared), None
     except Exception as error:  # reported per variant, not raised: the caller wants the whole table
         return None, f"{type(error).__name__}: {error}"[:2000]
+
+
+def _compile_triton_2(fn, signature, constexprs, options, capability):
+    """Shared bytes of ``fn`` compiled by Triton 2.x (the BI-V100's 2.3.1) down to a cubin for ``capability``.
+
+    Its stages run as its ``triton.compile`` runs them, without the last step, the C launcher, which links
+    libcuda (absent without a GPU). Arguments are keyed by position, as its JIT keys them: the unit strides
+    stay in the signature (as i32) and are also constants equal to 1."""
+    from triton.compiler import ASTSource, AttrsDescriptor
+    from triton.compiler.backends.cuda import CUDABackend
+
+    position = {name: index for index, name in enumerate(fn.arg_names)}
+    types = {position[name]: kind for name, kind in signature.items() if kind != "constexpr"}
+    unit = {position[name] for name in _UNIT_STRIDES if name in position}
+    types.update({index: "i32" for index in unit})
+    constants = {position[name]: value for name, value in constexprs.items()}
+    attrs = AttrsDescriptor(divisible_by_16={index for index, kind in types.items() if kind.startswith("*")},
+                            equal_to_1=unit, ids_of_folded_args=unit)
+    backend = CUDABackend(("cuda", capability[0] * 10 + capability[1]))
+    parsed = backend.parse_options(dict(options))
+    source = ASTSource(fn, types, constants, attrs)
+    stages = {}
+    backend.add_stages(stages, parsed)
+    metadata = {**parsed.__dict__, **source.metadata()}
+    module = source.make_ir(parsed)
+    for compile_stage in stages.values():
+        module = compile_stage(module, metadata)
+    return int(metadata["shared"])
 
 
 def _attention_source(kernels, variant):
