@@ -143,16 +143,23 @@ def key_rows(config, block_size):
 
 
 @functools.lru_cache(maxsize=None)
+def triton_version():
+    """Triton's (major, minor); (0, 0) where it is missing or unreadable. Imported on first use, like
+    ``triton_has_permute``."""
+    try:
+        import triton
+
+        return tuple(int(part) for part in triton.__version__.split(".")[:2])
+    except (ImportError, ValueError, AttributeError):
+        return (0, 0)
+
+
 def triton_3():
     """Triton >= 3. Under Triton 2.x configs keep to what was right under 2.3.1 on the H200
     (results/nvidia-h200/triton231.json): the kernel's own prefetch, never Triton's pipeliner (its pipelined
     paths got 9 of the 20 golden cases wrong, by up to 4.6), and at most 16 query rows per program (64 rows
-    crashed its compiler). Imported on first use, like ``triton_has_permute``."""
-    try:
-        import triton
-    except ImportError:
-        return False
-    return int(triton.__version__.split(".")[0]) >= 3
+    crashed its compiler)."""
+    return triton_version() >= (3, 0)
 
 
 @functools.lru_cache(maxsize=None)

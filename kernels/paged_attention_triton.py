@@ -635,14 +635,7 @@ def _direct_entry(kernel, constants, constexpr_names):
                                                                                   kernel), ()
 
 
-def _triton_version():
-    try:
-        return tuple(int(part) for part in triton.__version__.split(".")[:2])
-    except (ValueError, AttributeError):
-        return (0, 0)
-
-
-_TRITON_VERSION = _triton_version()
+_TRITON_VERSION = configs.triton_version()
 _DIRECT_LAUNCH = (_TRITON_VERSION >= (3, 0) or _TRITON_VERSION == (2, 3)) and hasattr(torch._C,
                                                                                   "_cuda_getCurrentRawStream")
 _BARE_LAUNCH = _DIRECT_LAUNCH and _TRITON_VERSION == (3, 6)

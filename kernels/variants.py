@@ -45,9 +45,12 @@ class Variant:
     config: object
 
     def compile_key(self):
-        """What the compiled code depends on: variants with equal keys share one binary."""
-        unmasked = self.kernel == "attention" and configs.unmasked_steps(self.config, self.head_size)
-        return (self.kernel, configs._next_power_of_2(self.head_size), unmasked, self.block_size, self.dtype,
+        """What the compiled code depends on: variants with equal keys share one binary (for attention,
+        ``configs.attention_key``: the key the probe records for a variant it found wrong)."""
+        if self.kernel == "attention":
+            return tuple(configs.attention_key(self.head_size, self.block_size, self.dtype, self.kv_cache_dtype,
+                                               self.config))
+        return (self.kernel, configs._next_power_of_2(self.head_size), False, self.block_size, self.dtype,
                 self.kv_cache_dtype, self.config)
 
 
@@ -120,9 +123,11 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
         # A compiler abort takes its worker and the pool (Triton 2.3.1 aborts on some kernels): the rest
         # compile in a process each, so the crash is pinned on its variant.
         left = [(key, variant) for key, variant in unique.items() if key not in outcomes]
+        crashed = (None, "the compiler crashed (its process died)")
         with concurrent.futures.ThreadPoolExecutor(workers) as threads:
-            for key, outcome in threads.map(lambda item: (item[0], _compile_alone(item[1], capability, warp_size)),
-                                            left):
+            for key, outcome in threads.map(
+                    lambda item: (item[0], in_own_process(_compile_one, item[1], capability, warp_size, died=crashed)),
+                    left):
                 record(key, outcome)
     results = []
     for variant in variants:
@@ -142,14 +147,14 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
     return results
 
 
-def _compile_alone(variant, capability, warp_size):
-    """``_compile_one`` in a process of its own: a compiler abort fails this variant alone."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+def in_own_process(function, *args, died):
+    """``function(*args)`` in a spawned process of its own, or ``died`` where that process dies (a compiler
+    abort takes the whole process): one crash then fails one item, not a pool's worth."""
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:
-            return pool.submit(_compile_one, variant, capability, warp_size).result()
+            return pool.submit(function, *args).result()
         except BrokenProcessPool:
-            return None, "the compiler crashed (its process died)"
+            return died
 
 
 def _compile_one(variant, capability, warp_size):
@@ -169,7 +174,7 @@ def _compile_one(variant, capability, warp_size):
             fn, constants, options = _reduce_source(variant)
             fn = kernels._reduce_kernel
         signature, constexprs, attrs = _signature(fn, variant, constants)
-        if int(triton.__version__.split(".")[0]) < 3:
+        if not configs.triton_3():
             return _compile_triton_2(fn, signature, constexprs, options, capability), None
         from triton.backends.compiler import GPUTarget
 

@@ -15,6 +15,7 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from biv100_patch.kernels import contract, get_backend, limits as kernel_limits
+from biv100_patch.kernels.variants import in_own_process
 
 from . import detect
 
@@ -163,7 +164,10 @@ def _kernel_variants(context):
     limits = device_limits(context) or configs.INTERPRETER_LIMITS
     chosen, seen, v1_done = [], set(), set()
     for variant in variants.variant_list(limits):
-        if variant.kernel != "attention" or variant.compile_key() in seen:
+        if variant.kernel != "attention":
+            continue
+        key = variant.compile_key()
+        if key in seen:
             continue
         if variant.kv_cache_dtype != "auto" and (variant.head_size, variant.block_size) != (
                 FP8_PROBE_HEAD_SIZE, FP8_PROBE_BLOCK_SIZE):
@@ -173,12 +177,10 @@ def _kernel_variants(context):
                                                variant.kv_cache_dtype, group) == variant.config), None)
         if group is None:
             continue
-        seen.add(variant.compile_key())
+        seen.add(key)
         entry = {"kernel": "v2", "head_size": variant.head_size, "block_size": variant.block_size,
                  "dtype": variant.dtype, "kv_cache_dtype": variant.kv_cache_dtype, "num_heads": group,
-                 "num_kv_heads": 1, "variant_key": configs.attention_key(variant.head_size, variant.block_size,
-                                                                         variant.dtype, variant.kv_cache_dtype,
-                                                                         variant.config)}
+                 "num_kv_heads": 1, "variant_key": list(key)}
         chosen.append(entry)
         v1_key = (variant.dtype, variant.kv_cache_dtype)
         if (configs._next_power_of_2(variant.head_size), variant.block_size) == (
@@ -247,11 +249,8 @@ def _compare_in_pool(device_index, to_run, workers, compare=_compare_variants_on
 
 def _compare_alone(device_index, variant, compare):
     """One variant in a process of its own: its entry (failed if the process died) and binaries."""
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        try:
-            entries, binaries = pool.submit(compare, device_index, [variant]).result()
-        except BrokenProcessPool:
-            return dict(variant, ok=False, error=PROCESS_DIED), []
+    entries, binaries = in_own_process(compare, device_index, [variant],
+                                       died=([dict(variant, ok=False, error=PROCESS_DIED)], []))
     return entries[0], binaries
 
 
