@@ -10,15 +10,27 @@ PROBE_VARIABLES = ("BIV100_PATCH_BACKEND", "BIV100_PATCH_PROBE_TIMEOUT", "COREX_
 
 @pytest.fixture
 def state(tmp_path, monkeypatch):
-    """A fresh state directory (not yet created) and no probe settings in the environment."""
-    from biv100_patch.probe import record
+    """A fresh state directory (not yet created) and no probe settings in the environment. Records are
+    matched as in a process that has not touched CUDA: on a GPU machine the suite's kernel tests initialise
+    the real device, whose identity would otherwise make a faked device's record not fit."""
+    from biv100_patch.probe import decide, record
 
     for name in PROBE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     directory = tmp_path / "state"
     monkeypatch.setenv("BIV100_PATCH_HOME", str(directory))
     monkeypatch.setattr(record, "_logged", set())
+    monkeypatch.setattr(decide, "_identity", lambda torch, index: None)
     return directory
+
+
+@pytest.fixture
+def no_accelerator(state, monkeypatch):
+    """``state``, and the probe sees no accelerator on any machine (the CPU record, decision torch)."""
+    from biv100_patch.probe import decide
+
+    monkeypatch.setattr(decide, "_accelerator_available", lambda torch: False)
+    return state
 
 
 class FakeGpu:

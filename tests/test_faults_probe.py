@@ -17,7 +17,7 @@ import pytest
 from biv100_patch import probe
 from biv100_patch.probe import decide, ladder, record, versions
 
-from tests.probe_fixtures import fake_gpu, state  # noqa: F401 (fixtures)
+from tests.probe_fixtures import fake_gpu, no_accelerator, state  # noqa: F401 (fixtures)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,6 +137,7 @@ def test_a_crashing_child_is_a_recorded_failure(state, monkeypatch):
     (b"[1, 2, 3]", "is corrupt: not a biv100-patch-probe document"),
     (json.dumps({"format": "biv100-patch-probe", "schema_version": 0}).encode(), "has schema version 0"),
 ])
+@pytest.mark.usefixtures("no_accelerator")
 def test_corrupt_record_is_reported_and_replaced(state, caplog, content, problem):
     state.mkdir(mode=0o700)
     path = state / "probe-cpu.json"
@@ -150,6 +151,7 @@ def test_corrupt_record_is_reported_and_replaced(state, caplog, content, problem
     assert probe.get_decision(progress=False)["storage"]["problems"] == []
 
 
+@pytest.mark.usefixtures("no_accelerator")
 def test_missing_state_directory_that_cannot_be_created(tmp_path, state, monkeypatch, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -163,6 +165,7 @@ def test_missing_state_directory_that_cannot_be_created(tmp_path, state, monkeyp
     assert probe.add_runtime_event("runtime_fallback", "kept nowhere") is False
 
 
+@pytest.mark.usefixtures("no_accelerator")
 def test_read_only_state_directory(state, monkeypatch, caplog):
     probe.get_decision(progress=False)  # a record made while the directory was writable
 
@@ -179,12 +182,14 @@ def test_read_only_state_directory(state, monkeypatch, caplog):
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0500 directory")
+@pytest.mark.usefixtures("no_accelerator")
 def test_read_only_state_directory_by_mode(state):
     state.mkdir(mode=0o500)
     found = probe.get_decision(progress=False)
     assert found["storage"]["written"] is False and "read-only" in found["storage"]["problems"][0]
 
 
+@pytest.mark.usefixtures("no_accelerator")
 def test_state_directory_writable_by_others_is_not_trusted(state, caplog):
     state.mkdir()
     os.chmod(state, 0o777)

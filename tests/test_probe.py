@@ -16,7 +16,7 @@ from biv100_patch.probe import decide, ladder, record, settings
 from biv100_patch.probe_command import probe_command
 
 from tests.probe_fakes import BI_V100, passing_ladder
-from tests.probe_fixtures import fake_gpu, state  # noqa: F401 (fixtures)
+from tests.probe_fixtures import fake_gpu, no_accelerator, state  # noqa: F401 (fixtures)
 
 
 @pytest.mark.cpu_machine
@@ -33,6 +33,7 @@ def test_cpu_decision_is_torch_no_accelerator(state):
     assert {"device", "versions", "checks", "decision", "fingerprint", "created"} <= set(on_disk)
 
 
+@pytest.mark.usefixtures("no_accelerator")
 def test_record_is_reused_while_the_fingerprint_matches(state):
     first = probe.get_decision(progress=False)
     second = probe.get_decision(progress=False)
