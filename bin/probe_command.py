@@ -59,7 +59,8 @@ Exit codes:
 @click.option("--refresh", is_flag=True, help="Probe again even if a stored record fits.")
 @click.option("--bench", is_flag=True, help="Also time both backends (Triton must not be slower).")
 @click.option("--timeout", type=click.FloatRange(1, 3600), default=None, metavar="SECONDS",
-              help="Time limit for the probe's child process [default: BIV100_PATCH_PROBE_TIMEOUT or 180].")
+              help="Seconds the probe's child may go without progress (a step or kernel variant done) "
+                   "before it is killed as hung [default: BIV100_PATCH_PROBE_TIMEOUT or 180].")
 @click.option("--device", type=click.IntRange(min=0), default=None, metavar="INDEX",
               help="Which device to probe [default: the current one].")
 @click.option("--target-capability", type=Capability(), default=None,

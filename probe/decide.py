@@ -18,7 +18,9 @@ from .record import log_once
 
 # With --bench, Triton counts as "not slower" within this share of PyTorch's median (timer noise).
 BENCH_NOISE = 0.05
-# Waiting for another process's probe: its timeout plus time to write the record.
+# Waiting for another process's probe: a probe that keeps progressing may run past its (stall) timeout,
+# so several timeouts' worth, plus time to write the record; then this process probes on its own.
+LOCK_WAIT_TIMEOUTS = 5
 LOCK_MARGIN_S = 60.0
 UNRECORDED_EVENTS_KEY = "unrecorded"
 
@@ -119,8 +121,8 @@ def decide_from_checks(checks, timeout, bench):
         if failed["name"] == "triton_import" and "not installed" in (failed["error"] or ""):
             reason = "Triton is not installed, so the PyTorch backend is used."
         elif failed["status"] == "timeout":
-            reason = (f"Triton step {failed['step']} ({failed['title']}) did not finish within {timeout:g} s, "
-                      "so the PyTorch backend is used.")
+            reason = (f"Triton step {failed['step']} ({failed['title']}) made no progress for {timeout:g} s "
+                      "(a hang?), so the PyTorch backend is used.")
         else:
             reason = (f"Triton step {failed['step']} ({failed['title']}) failed ({record.summary_line(failed['error'])}), "
                       "so the PyTorch backend is used.")
@@ -268,8 +270,8 @@ def get_decision(refresh=False, backend_override=None, timeout=None, bench=False
 
     ``record["decision"]["backend"]`` is triton, torch or off and ``["reason"]`` one sentence.
     ``refresh`` probes even if a record fits; ``bench`` adds the timing step (a record without it
-    is not reused); ``timeout`` bounds the child process (default ``BIV100_PATCH_PROBE_TIMEOUT``
-    or 180 s); ``progress`` True prints each step on stderr, a callable gets ``(event, entry)``.
+    is not reused); ``timeout``: the longest the probe's child may report no progress before it is
+    killed as hung (default ``BIV100_PATCH_PROBE_TIMEOUT`` or 180 s); ``progress`` True prints each step on stderr, a callable gets ``(event, entry)``.
     ``backend_override`` (default: ``BIV100_PATCH_BACKEND``) is applied on top and recorded as such.
     Raises ``settings.SettingsError`` / ValueError for bad values and ``OverrideRefused`` for a
     forced Triton without an accelerator; a state directory it cannot use only means the
@@ -304,8 +306,9 @@ def get_decision(refresh=False, backend_override=None, timeout=None, bench=False
         found = _probe(host, version_report, index, bench, timeout, progress, torch)
         return apply_override(_finish(found, store, reused=False, written=False, problems=problems + [unusable]),
                               override, origin)
+    lock_wait = LOCK_WAIT_TIMEOUTS * timeout + LOCK_MARGIN_S
     try:
-        with store.lock(timeout + LOCK_MARGIN_S):
+        with store.lock(lock_wait):
             if not refresh:
                 found, _ = lookup(store, host, index, _identity(torch, index), need_bench=bench)
                 if found is not None:  # another process probed while we waited
@@ -319,7 +322,7 @@ def get_decision(refresh=False, backend_override=None, timeout=None, bench=False
                                                                     found["fingerprint"])}
             write_problem = store.write(record.device_key(found["device"]), found)
     except filelock.Timeout:
-        write_problem = f"the probe lock in {store.directory} was held for over {timeout + LOCK_MARGIN_S:g} s"
+        write_problem = f"the probe lock in {store.directory} was held for over {lock_wait:g} s"
         found = _probe(host, version_report, index, bench, timeout, progress, torch)
     if write_problem:
         log_once(logging.WARNING, f"biv100-patch: {write_problem}; the decision is kept in this process only")

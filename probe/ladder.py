@@ -7,9 +7,11 @@
 5. (``bench``) median times of both backends on a representative decode shape.
 
 Steps 2-5, and reading the device's properties, run in a child process (``subprocess``, its own
-session) under one timeout: some Triton kernels hang a BI-V100, and a hang must become a recorded
-failure, never a stuck probe. The child reports each step as a JSON line on a private pipe;
-a step that has not reported when the time is up is recorded as timed out and the child killed.
+session) under a stall timeout: some Triton kernels hang a BI-V100, and a hang must become a recorded
+failure, never a stuck probe. The child reports each step's start and result, and each kernel variant
+step 3 has compared, as JSON lines on a private pipe; when it reports nothing for ``timeout`` seconds
+the running step is recorded as timed out and the child killed. A slow compiler that keeps finishing
+variants is not a hang: it is shown progressing, not cut off.
 Steps are named ``module:function`` so tests can run fakes in the same child machinery.
 """
 
@@ -34,6 +36,7 @@ TITLES = {
     "shared_memory": "shared memory fits the device",
     "bench": "Triton is not slower than PyTorch",
 }
+UNITS = {"variants_match": "kernel variants compared"}  # what a step's progress counts
 DETECT = "biv100_patch.probe.steps:detect_device"
 CHILD_STEPS = (
     ("trivial_kernel", "biv100_patch.probe.steps:trivial_kernel"),
@@ -77,10 +80,21 @@ def import_triton_step(import_module=importlib.import_module):
                  details={"version": version}), version
 
 
+PROGRESS_EVERY_S = 5.0  # within a step, at most one progress line per this many seconds (and the last)
+_last_progress_line = [0.0]
+
+
 def stderr_progress(event, entry):
-    """Default progress display: one line per step start and result, on stderr."""
+    """Default progress display: one line per step start and result, and a step's progress, on stderr."""
     if event == "start":
+        _last_progress_line[0] = time.monotonic()
         print(f"probe: step {entry['step']} {entry['title']} ...", file=sys.stderr, flush=True)
+    elif event == "progress":
+        now = time.monotonic()
+        if entry["done"] == entry["total"] or now - _last_progress_line[0] >= PROGRESS_EVERY_S:
+            _last_progress_line[0] = now
+            print(f"probe:   step {entry['step']}: {entry['done']}/{entry['total']} {entry['unit']} "
+                  f"({entry['seconds']:.0f} s)", file=sys.stderr, flush=True)
     elif event == "result":
         mark = {"passed": "✓", "skipped": "–"}.get(entry["status"], "✗")
         tail = f": {summary_line(entry['error'])}" if entry.get("error") else ""
@@ -95,7 +109,9 @@ def run_ladder(*, device_index=0, bench=False, timeout=180.0, progress=None, ste
     """Run the ladder; returns ``{"device", "device_error", "checks", "triton_version"}``.
 
     ``steps`` (``[(name, "module:function"), ...]``) replaces steps 2-5 (tests pass fakes);
-    ``progress(event, entry)`` is told of each start and result.
+    ``progress(event, entry)`` is told of each start and result, and (event "progress", entry with
+    ``done``, ``total``, ``unit`` and ``seconds``) of the work a step reports done. ``timeout``: the
+    longest the child may go without reporting anything.
     """
     notify = progress or (lambda event, entry: None)
     child_steps = list(steps) if steps is not None else list(CHILD_STEPS) + ([BENCH_STEP] if bench else [])
@@ -142,6 +158,7 @@ def _run_child(device_index, detect, child_steps, timeout, notify):
                 continue
             if message is None:
                 break
+            deadline = time.monotonic() + timeout  # it reported: not hung
             kind = message.get("event")
             if kind == "device":
                 device = message["device"]
@@ -152,6 +169,10 @@ def _run_child(device_index, detect, child_steps, timeout, notify):
                 running = message["step"]
                 started_at = time.perf_counter()
                 notify("start", check(numbered.get(running, 0), running, "running"))
+            elif kind == "progress" and message.get("step") == running:
+                entry = check(numbered.get(running, 0), running, "running", time.perf_counter() - started_at)
+                entry.update(done=message.get("done"), total=message.get("total"), unit=message.get("unit"))
+                notify("progress", entry)
             elif kind == "result":
                 entry = check(numbered.get(message["step"], 0), message["step"], message["status"],
                               message.get("seconds", 0.0), message.get("error"), message.get("details"))
@@ -163,7 +184,7 @@ def _run_child(device_index, detect, child_steps, timeout, notify):
         if timed_out:
             _kill(process)
             what = f"step {running!r}" if running else "the child process"
-            failure = f"TimeoutError: {what} did not finish within {timeout:g} s (a hang?); the child was killed"
+            failure = f"TimeoutError: {what} reported no progress for {timeout:g} s (a hang?); the child was killed"
         else:
             try:
                 process.wait(timeout=KILL_WAIT_S)
@@ -263,6 +284,8 @@ def child_main():
             send(event="result", step=name, status="skipped", error=f"skipped: step {failed!r} failed")
             continue
         send(event="start", step=name)
+        context["progress"] = lambda done, total, step=name: send(event="progress", step=step, done=done,
+                                                                  total=total, unit=UNITS.get(step, "done"))
         start = time.perf_counter()
         try:
             details = resolve(target)(context) or {}

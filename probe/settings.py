@@ -56,7 +56,7 @@ def backend_override():
 
 
 def probe_timeout(default=180.0):
-    """``BIV100_PATCH_PROBE_TIMEOUT``: seconds the probe's child process may run (1 to 3600)."""
+    """``BIV100_PATCH_PROBE_TIMEOUT``: seconds the probe's child may go without progress (1 to 3600)."""
     raw = os.environ.get("BIV100_PATCH_PROBE_TIMEOUT", "").strip()
     if not raw:
         return default

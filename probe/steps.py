@@ -238,27 +238,39 @@ MAX_COMPILE_WORKERS = 8
 PROCESS_DIED = "its process died while compiling or running it (a compiler crash?)"
 
 
-def _compare_in_pool(device_index, to_run, workers, compare=_compare_variants_on):
-    """``compare`` over ``workers`` processes, a share of the variants each: (entries, compiled binaries).
-    Raises ``BrokenProcessPool`` when a worker dies."""
-    chunks = [to_run[start::workers] for start in range(workers)]
+def _compare_in_pool(device_index, to_run, workers, compare=_compare_variants_on, progress=None):
+    """``compare`` over ``workers`` processes, one variant per task (a free worker takes the next, and each
+    finished variant is told to ``progress(done, total)``): (entries in ``to_run``'s order, compiled
+    binaries). Raises ``BrokenProcessPool`` when a worker dies."""
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(compare, [device_index] * workers, chunks))
-    return [entry for entries, _ in results for entry in entries], [b for _, binaries in results for b in binaries]
+        return _collect([pool.submit(compare, device_index, [variant]) for variant in to_run], progress)
 
 
 def _compare_alone(device_index, variant, compare):
-    """One variant in a process of its own: its entry (failed if the process died) and binaries."""
-    entries, binaries = in_own_process(compare, device_index, [variant],
-                                       died=([dict(variant, ok=False, error=PROCESS_DIED)], []))
-    return entries[0], binaries
+    """One variant in a process of its own: (its entry, failed if the process died; binaries)."""
+    return in_own_process(compare, device_index, [variant],
+                          died=([dict(variant, ok=False, error=PROCESS_DIED)], []))
 
 
-def _compare_isolated(device_index, to_run, workers, compare=_compare_variants_on):
+def _compare_isolated(device_index, to_run, workers, compare=_compare_variants_on, progress=None):
     """Each variant in a process of its own, ``workers`` at a time: one whose process dies fails alone."""
     with concurrent.futures.ThreadPoolExecutor(workers) as threads:
-        results = list(threads.map(lambda variant: _compare_alone(device_index, variant, compare), to_run))
-    return [entry for entry, _ in results], [b for _, binaries in results for b in binaries]
+        return _collect([threads.submit(_compare_alone, device_index, variant, compare) for variant in to_run],
+                        progress)
+
+
+def _collect(futures, progress):
+    """(entries, distinct binaries) of ``futures`` of ``(entries, binaries)``, counting them off as they end."""
+    for done, future in enumerate(concurrent.futures.as_completed(futures), start=1):
+        future.result()  # a dead worker raises here, before anything is counted as compared
+        if progress is not None:
+            progress(done, len(futures))
+    entries, binaries = [], set()
+    for future in futures:
+        found, compiled = future.result()
+        entries.extend(found)
+        binaries.update(tuple(binary) for binary in compiled)  # a worker lists all it compiled so far
+    return entries, [list(binary) for binary in sorted(binaries)]
 
 
 def variants_match(context):
@@ -270,16 +282,21 @@ def variants_match(context):
     in a process of its own, so the crash is pinned on its variant."""
     device = _device(context)
     to_run = _kernel_variants(context)
+    progress = context.get("progress")
     workers = min(MAX_COMPILE_WORKERS, os.cpu_count() or 1, len(to_run))
     if device.type == "cuda" and workers > 1:
         try:
-            compared, compiled = _compare_in_pool(device.index, to_run, workers)
+            compared, compiled = _compare_in_pool(device.index, to_run, workers, progress=progress)
         except BrokenProcessPool:
-            compared, compiled = _compare_isolated(device.index, to_run, workers)
+            compared, compiled = _compare_isolated(device.index, to_run, workers, progress=progress)
     else:
         triton_backend = get_backend("triton", limits=device_limits(context))
         torch_backend = get_backend("torch")
-        compared = [_compare_variant(triton_backend, torch_backend, device, variant) for variant in to_run]
+        compared = []
+        for variant in to_run:
+            compared.append(_compare_variant(triton_backend, torch_backend, device, variant))
+            if progress is not None:
+                progress(len(compared), len(to_run))
         compiled = compiled_binaries()
     failures = [entry for entry in compared if not entry["ok"]]
     # Step 4 measures these: [kernel name, shared bytes] of every binary step 3 compiled.

@@ -87,14 +87,27 @@ def test_a_hanging_kernel_times_out(state, monkeypatch, capsys):
     found = probe.get_decision(timeout=2, progress=True)
     assert time.monotonic() - start < 15
     assert [entry["status"] for entry in found["checks"]] == ["passed", "passed", "timeout", "skipped"]
-    assert found["checks"][2]["error"] == ("TimeoutError: step 'variants_match' did not finish within 2 s "
+    assert found["checks"][2]["error"] == ("TimeoutError: step 'variants_match' reported no progress for 2 s "
                                            "(a hang?); the child was killed")
-    assert found["decision"]["reason"] == ("Triton step 3 (paged-attention variants match PyTorch) did not finish "
-                                           "within 2 s, so the PyTorch backend is used.")
+    assert found["decision"]["reason"] == ("Triton step 3 (paged-attention variants match PyTorch) made no progress "
+                                           "for 2 s (a hang?), so the PyTorch backend is used.")
     assert ladder_children() == []  # killed and reaped, not left running
     progress = capsys.readouterr().err
     assert "probe: step 3 paged-attention variants match PyTorch ..." in progress
     assert "probe: ✗ step 3 paged-attention variants match PyTorch timeout" in progress
+
+
+def test_a_step_that_keeps_progressing_outlives_the_timeout(state, monkeypatch, capsys):
+    # 8 variants, 0.5 s each: 4 s in all against a 2 s timeout, never 2 s without progress.
+    monkeypatch.setattr(decide, "_accelerator_available", lambda torch: True)
+    monkeypatch.setattr(ladder, "PROGRESS_EVERY_S", 0.0)
+    real_ladder_with(monkeypatch, [("variants_match", "tests.probe_fakes:slowly_progressing_step")])
+    found = probe.get_decision(timeout=2, progress=True)
+    assert [entry["status"] for entry in found["checks"]] == ["passed", "passed"]
+    assert found["checks"][1]["seconds"] >= 4 and found["checks"][1]["details"] == {"compared": 8}
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("probe:   step 2: ")]
+    assert [line.split()[3] for line in lines] == [f"{done}/8" for done in range(1, 9)]
+    assert lines[-1].startswith("probe:   step 2: 8/8 kernel variants compared (")
 
 
 def ladder_children():
@@ -118,7 +131,7 @@ def test_timeout_from_the_environment(state, monkeypatch):
     monkeypatch.setattr(decide, "_accelerator_available", lambda torch: True)
     real_ladder_with(monkeypatch, [("variants_match", "tests.probe_fakes:sleeping_step")])
     found = probe.get_decision(progress=False)
-    assert found["checks"][1]["status"] == "timeout" and "within 1.5 s" in found["decision"]["reason"]
+    assert found["checks"][1]["status"] == "timeout" and "no progress for 1.5 s" in found["decision"]["reason"]
 
 
 def test_a_crashing_child_is_a_recorded_failure(state, monkeypatch):

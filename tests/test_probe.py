@@ -353,10 +353,28 @@ def test_a_step_3_worker_that_dies_is_pinned_on_its_variant():
                 dict(VARIANT_V1_FP16, head_size=128, variant_key=["c"])]
     with pytest.raises(BrokenProcessPool):
         steps._compare_in_pool(0, variants, 2, compare=probe_fakes.compare_or_die)
-    entries, compiled = steps._compare_isolated(0, variants, 2, compare=probe_fakes.compare_or_die)
+    counted = []
+    entries, compiled = steps._compare_isolated(0, variants, 2, compare=probe_fakes.compare_or_die,
+                                                progress=lambda done, total: counted.append((done, total)))
     assert [(entry["variant_key"], entry["ok"]) for entry in entries] == [(["a"], True), (["b"], False),
                                                                          (["c"], True)]
-    assert entries[1]["error"] == steps.PROCESS_DIED and len(compiled) == 2
+    assert entries[1]["error"] == steps.PROCESS_DIED
+    assert compiled == [["_attention_kernel", 1024], ["_attention_kernel", 2048], ["_reduce_kernel", 512]]
+    assert counted == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_step_3_pool_hands_out_one_variant_at_a_time_in_order():
+    from biv100_patch.probe import steps
+    from tests import probe_fakes
+
+    variants = [dict(VARIANT_V1_FP16, head_size=size, variant_key=[size]) for size in (64, 80, 96, 112, 128)]
+    counted = []
+    entries, compiled = steps._compare_in_pool(0, variants, 2, compare=probe_fakes.compare_or_die,
+                                               progress=lambda done, total: counted.append((done, total)))
+    assert [entry["head_size"] for entry in entries] == [64, 80, 96, 112, 128] and all(e["ok"] for e in entries)
+    assert compiled == sorted([["_attention_kernel", 16 * size] for size in (64, 80, 96, 112, 128)]
+                              + [["_reduce_kernel", 512]])
+    assert counted == [(done, 5) for done in range(1, 6)]
 
 
 def test_non_finite_measurements_are_kept_as_json(fake_gpu):
