@@ -134,8 +134,9 @@ def test_12_eight_processes_apply_at_once_and_all_are_patched(tmp_path):
 
     site = fake_vllm.make_site(tmp_path / "site", "0.6.3+corex.3.2.3", fake_vllm.synthetic_custom_ops())
     state = tmp_path / "state"
+    # No GPU in the children on any machine: the CPU decision (a real GPU probe takes minutes under the suite).
     environment = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{fake_vllm.REPO_ROOT}",
-                       BIV100_PATCH_HOME=str(state))
+                       BIV100_PATCH_HOME=str(state), CUDA_VISIBLE_DEVICES="")
     for name in ("BIV100_PATCH", "BIV100_PATCH_BACKEND", "BIV100_PATCH_STRICT"):
         environment.pop(name, None)
     workers = [subprocess.Popen([sys.executable, "-c", EIGHT_APPLIERS], cwd=tmp_path, env=environment,

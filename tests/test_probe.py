@@ -270,6 +270,7 @@ VARIANT_V2_BF16 = {"kernel": "v2", "head_size": 64, "block_size": 32, "dtype": "
 CPU_CONTEXT = {"device": {"index": None}, "device_index": 0, "results": {}}
 
 
+@pytest.mark.cpu_machine  # the interpreter is chosen when triton is first imported: on a GPU machine it was not
 def test_variants_step_compares_triton_with_torch_on_the_interpreter(monkeypatch):
     # Ladder step 3 with the real kernels (B's Triton backend in the interpreter) on two variants.
     from biv100_patch.probe import steps
