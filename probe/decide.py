@@ -271,7 +271,8 @@ def get_decision(refresh=False, backend_override=None, timeout=None, bench=False
     ``record["decision"]["backend"]`` is triton, torch or off and ``["reason"]`` one sentence.
     ``refresh`` probes even if a record fits; ``bench`` adds the timing step (a record without it
     is not reused); ``timeout``: the longest the probe's child may report no progress before it is
-    killed as hung (default ``BIV100_PATCH_PROBE_TIMEOUT`` or 180 s); ``progress`` True prints each step on stderr, a callable gets ``(event, entry)``.
+    killed as hung (default ``BIV100_PATCH_PROBE_TIMEOUT`` or 180 s); ``progress`` True prints each
+    step and step 3's progress on stderr, a callable gets ``(event, entry)``.
     ``backend_override`` (default: ``BIV100_PATCH_BACKEND``) is applied on top and recorded as such.
     Raises ``settings.SettingsError`` / ValueError for bad values and ``OverrideRefused`` for a
     forced Triton without an accelerator; a state directory it cannot use only means the
