@@ -91,7 +91,9 @@ def stderr_progress(event, entry):
         print(f"probe: step {entry['step']} {entry['title']} ...", file=sys.stderr, flush=True)
     elif event == "progress":
         now = time.monotonic()
-        if entry["done"] == entry["total"] or now - _last_progress_line[0] >= PROGRESS_EVERY_S:
+        if entry.get("note"):
+            print(f"probe:   step {entry['step']}: {entry['note']}", file=sys.stderr, flush=True)
+        elif entry["done"] == entry["total"] or now - _last_progress_line[0] >= PROGRESS_EVERY_S:
             _last_progress_line[0] = now
             print(f"probe:   step {entry['step']}: {entry['done']}/{entry['total']} {entry['unit']} "
                   f"({entry['seconds']:.0f} s)", file=sys.stderr, flush=True)
@@ -110,7 +112,7 @@ def run_ladder(*, device_index=0, bench=False, timeout=180.0, progress=None, ste
 
     ``steps`` (``[(name, "module:function"), ...]``) replaces steps 2-5 (tests pass fakes);
     ``progress(event, entry)`` is told of each start and result, and (event "progress", entry with
-    ``done``, ``total``, ``unit`` and ``seconds``) of the work a step reports done. ``timeout``: the
+    ``done``, ``total``, ``unit``, ``seconds`` and any ``note``) of the work a step reports done. ``timeout``: the
     longest the child may go without reporting anything.
     """
     notify = progress or (lambda event, entry: None)
@@ -171,7 +173,8 @@ def _run_child(device_index, detect, child_steps, timeout, notify):
                 notify("start", check(numbered.get(running, 0), running, "running"))
             elif kind == "progress" and message.get("step") == running:
                 entry = check(numbered.get(running, 0), running, "running", time.perf_counter() - started_at)
-                entry.update(done=message.get("done"), total=message.get("total"), unit=message.get("unit"))
+                entry.update(done=message.get("done"), total=message.get("total"), unit=message.get("unit"),
+                             note=message.get("note"))
                 notify("progress", entry)
             elif kind == "result":
                 entry = check(numbered.get(message["step"], 0), message["step"], message["status"],
@@ -284,8 +287,8 @@ def child_main():
             send(event="result", step=name, status="skipped", error=f"skipped: step {failed!r} failed")
             continue
         send(event="start", step=name)
-        context["progress"] = lambda done, total, step=name: send(event="progress", step=step, done=done,
-                                                                  total=total, unit=UNITS.get(step, "done"))
+        context["progress"] = lambda done, total, note=None, step=name: send(
+            event="progress", step=step, done=done, total=total, unit=UNITS.get(step, "done"), note=note)
         start = time.perf_counter()
         try:
             details = resolve(target)(context) or {}

@@ -236,6 +236,7 @@ def _compare_variants_on(device_index, variants_to_run):
 # variants are shared out over worker processes that compile side by side.
 MAX_COMPILE_WORKERS = 8
 PROCESS_DIED = "its process died while compiling or running it (a compiler crash?)"
+WORKER_DIED = "a worker process died (a compiler crash?): every variant again, each in a process of its own"
 
 
 def _compare_in_pool(device_index, to_run, workers, compare=_compare_variants_on, progress=None):
@@ -288,6 +289,8 @@ def variants_match(context):
         try:
             compared, compiled = _compare_in_pool(device.index, to_run, workers, progress=progress)
         except BrokenProcessPool:
+            if progress is not None:
+                progress(0, len(to_run), note=WORKER_DIED)
             compared, compiled = _compare_isolated(device.index, to_run, workers, progress=progress)
     else:
         triton_backend = get_backend("triton", limits=device_limits(context))

@@ -27,6 +27,8 @@ def slowly_progressing_step(context):
     for done in range(1, 9):
         time.sleep(0.5)
         context["progress"](done, 8)
+        if done == 4:
+            context["progress"](0, 8, note="starting over")
     return {"compared": 8}
 
 

@@ -106,7 +106,9 @@ def test_a_step_that_keeps_progressing_outlives_the_timeout(state, monkeypatch, 
     assert [entry["status"] for entry in found["checks"]] == ["passed", "passed"]
     assert found["checks"][1]["seconds"] >= 4 and found["checks"][1]["details"] == {"compared": 8}
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("probe:   step 2: ")]
-    assert [line.split()[3] for line in lines] == [f"{done}/8" for done in range(1, 9)]
+    assert [line.split()[3] for line in lines] == [f"{done}/8" for done in range(1, 5)] + ["starting"] + [
+        f"{done}/8" for done in range(5, 9)]
+    assert lines[4] == "probe:   step 2: starting over"
     assert lines[-1].startswith("probe:   step 2: 8/8 kernel variants compared (")
 
 

@@ -364,6 +364,25 @@ def test_a_step_3_worker_that_dies_is_pinned_on_its_variant():
     assert counted == [(1, 3), (2, 3), (3, 3)]
 
 
+def test_step_3_says_when_a_dead_worker_starts_the_isolated_round(monkeypatch):
+    from concurrent.futures.process import BrokenProcessPool
+
+    from biv100_patch.probe import steps
+
+    def broken_pool(*arguments, **options):
+        raise BrokenProcessPool("a worker died")
+
+    monkeypatch.setattr(steps, "_kernel_variants", lambda context: [VARIANT_V1_FP16, VARIANT_V2_BF16])
+    monkeypatch.setattr(steps, "_compare_in_pool", broken_pool)
+    monkeypatch.setattr(steps, "_compare_isolated", lambda index, to_run, workers, progress: (
+        [dict(variant, ok=True) for variant in to_run], [["_attention_kernel", 1024]]))
+    monkeypatch.setattr(steps.os, "cpu_count", lambda: 2)
+    told = []
+    details = steps.variants_match({"device": {"index": 0}, "device_index": 0, "results": {},
+                                    "progress": lambda done, total, note=None: told.append((done, total, note))})
+    assert told == [(0, 2, steps.WORKER_DIED)] and (details["compared"], details["failed"]) == (2, 0)
+
+
 def test_step_3_pool_hands_out_one_variant_at_a_time_in_order():
     from biv100_patch.probe import steps
     from tests import probe_fakes
