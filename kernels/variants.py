@@ -105,30 +105,25 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
     for variant in variants:
         unique.setdefault(variant.compile_key(), variant)
     workers = workers or max(1, min(os.cpu_count() or 1, len(unique)))
+    keys = list(unique)
+    arguments = [(unique[key], capability, warp_size) for key in keys]
     outcomes = {}
 
-    def record(key, outcome):
-        outcomes[key] = outcome
+    def record(index, outcome):
+        outcomes[keys[index]] = outcome
         if progress is not None:
             progress(len(outcomes), len(unique))
 
-    context = multiprocessing.get_context("spawn")
     try:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            futures = {pool.submit(_compile_one, variant, capability, warp_size): key
-                       for key, variant in unique.items()}
-            for future in concurrent.futures.as_completed(futures):
-                record(futures[future], future.result())
+        map_in_processes(_compile_one, arguments, workers=workers, on_result=record)
     except BrokenProcessPool:
         # A compiler abort takes its worker and the pool (Triton 2.3.1 aborts on some kernels): the rest
         # compile in a process each, so the crash is pinned on its variant.
-        left = [(key, variant) for key, variant in unique.items() if key not in outcomes]
+        left = [index for index, key in enumerate(keys) if key not in outcomes]
         crashed = (None, "the compiler crashed (its process died)")
-        with concurrent.futures.ThreadPoolExecutor(workers) as threads:
-            for key, outcome in threads.map(
-                    lambda item: (item[0], in_own_process(_compile_one, item[1], capability, warp_size, died=crashed)),
-                    left):
-                record(key, outcome)
+        map_each_in_own_process(_compile_one, [arguments[index] for index in left], workers=workers,
+                                died=lambda args: crashed,
+                                on_result=lambda position, outcome: record(left[position], outcome))
     results = []
     for variant in variants:
         shared, error = outcomes[variant.compile_key()]
@@ -145,6 +140,27 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
                   "scratch_dtype": config[3]},
             "shared_bytes": shared, "ok": error is None, "error": error})
     return results
+
+
+def map_in_processes(function, arguments, *, workers, on_result):
+    """``function(*args)`` for each tuple in ``arguments``, in ``workers`` spawned processes, one call per task (a
+    free worker takes the next); ``on_result(index, result)`` as each ends. Raises ``BrokenProcessPool`` when a
+    worker dies (a compiler abort takes its process); the results told before stand."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = {pool.submit(function, *args): index for index, args in enumerate(arguments)}
+        for future in concurrent.futures.as_completed(futures):
+            on_result(futures[future], future.result())
+
+
+def map_each_in_own_process(function, arguments, *, workers, died, on_result):
+    """``map_in_processes`` with each call in a process of its own, ``workers`` at a time: a call whose process
+    dies gives ``died(args)``, so one crash fails one call."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as threads:
+        futures = {threads.submit(in_own_process, function, *args, died=died(args)): index
+                   for index, args in enumerate(arguments)}
+        for future in concurrent.futures.as_completed(futures):
+            on_result(futures[future], future.result())
 
 
 def in_own_process(function, *args, died):

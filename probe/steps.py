@@ -4,9 +4,8 @@ Each step takes the child's context (``device``: what ``detect_device`` read, ``
 details of earlier steps) and returns its details, or raises: the exception's text is recorded.
 """
 
-import concurrent.futures
+import functools
 import math
-import multiprocessing
 import os
 import statistics
 import time
@@ -15,7 +14,7 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from biv100_patch.kernels import contract, get_backend, limits as kernel_limits
-from biv100_patch.kernels.variants import in_own_process
+from biv100_patch.kernels.variants import map_each_in_own_process, map_in_processes
 
 from . import detect
 
@@ -243,32 +242,32 @@ def _compare_in_pool(device_index, to_run, workers, compare=_compare_variants_on
     """``compare`` over ``workers`` processes, one variant per task (a free worker takes the next, and each
     finished variant is told to ``progress(done, total)``): (entries in ``to_run``'s order, compiled
     binaries). Raises ``BrokenProcessPool`` when a worker dies."""
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return _collect([pool.submit(compare, device_index, [variant]) for variant in to_run], progress)
-
-
-def _compare_alone(device_index, variant, compare):
-    """One variant in a process of its own: (its entry, failed if the process died; binaries)."""
-    return in_own_process(compare, device_index, [variant],
-                          died=([dict(variant, ok=False, error=PROCESS_DIED)], []))
+    return _compare_all(functools.partial(map_in_processes, compare, workers=workers), device_index, to_run, progress)
 
 
 def _compare_isolated(device_index, to_run, workers, compare=_compare_variants_on, progress=None):
     """Each variant in a process of its own, ``workers`` at a time: one whose process dies fails alone."""
-    with concurrent.futures.ThreadPoolExecutor(workers) as threads:
-        return _collect([threads.submit(_compare_alone, device_index, variant, compare) for variant in to_run],
-                        progress)
+    def died(args):
+        return [dict(args[1][0], ok=False, error=PROCESS_DIED)], []
+
+    return _compare_all(functools.partial(map_each_in_own_process, compare, workers=workers, died=died),
+                        device_index, to_run, progress)
 
 
-def _collect(futures, progress):
-    """(entries, distinct binaries) of ``futures`` of ``(entries, binaries)``, counting them off as they end."""
-    for done, future in enumerate(concurrent.futures.as_completed(futures), start=1):
-        future.result()  # a dead worker raises here, before anything is counted as compared
+def _compare_all(run, device_index, to_run, progress):
+    """(entries in ``to_run``'s order, distinct binaries) of ``run(arguments, on_result=...)`` over one
+    ``(device_index, [variant])`` call per variant, counting them off as they end."""
+    results = {}
+
+    def on_result(index, result):
+        results[index] = result
         if progress is not None:
-            progress(done, len(futures))
+            progress(len(results), len(to_run))
+
+    run([(device_index, [variant]) for variant in to_run], on_result=on_result)
     entries, binaries = [], set()
-    for future in futures:
-        found, compiled = future.result()
+    for index in range(len(to_run)):
+        found, compiled = results[index]
         entries.extend(found)
         binaries.update(tuple(binary) for binary in compiled)  # a worker lists all it compiled so far
     return entries, [list(binary) for binary in sorted(binaries)]
