@@ -60,8 +60,8 @@ BACKENDS = ("triton", "torch", "sdpa")
 TOLERANCE = {"fp16": 5e-3, "bf16": 2e-2, "fp32": 2e-3}
 REFERENCE_SEQS = 4  # sequences checked against the float32 reference
 GATHER_CHUNK_BYTES = 1 << 30  # SDPA's contiguous copy is built this many source bytes at a time
-MEMORY_MARGIN_BYTES = 4 << 30
-MAX_PRINTED_PROBLEMS = 30  # on the console; the markdown lists them all  # kept free on the device: v2 scratch, allocator slack, SDPA's workspace
+MEMORY_MARGIN_BYTES = 4 << 30  # kept free on the device: v2 scratch, allocator slack, SDPA's workspace
+MAX_PRINTED_PROBLEMS = 30  # on the console; the markdown lists them all
 # Bandwidths assumed by the runtime estimate only (bytes/s on CUDA; the CPU figure is a guess for tiny grids).
 ASSUMED_BANDWIDTH = {"cuda": {"triton": 3.5e12, "torch": 1.0e12, "sdpa": 3.5e12}, "cpu": {"*": 5e9}}
 # A call slower than this is timed over a few synchronised calls: do_bench would make at least eight.

@@ -8,17 +8,19 @@ How it works. Work is split into tiles of (a chunk of sequences) x (a run of 512
 partitions); within a tile everything is batched over KV heads, sequences, partitions and the
 query heads of a group (no Python loop per token or partition). Per tile::
 
-    K, V    one gather each through the block table, into layouts the matmuls read without a copy:
-            K as [kv_heads, blocks, block_size, head_size] (a [tokens, head_size] matrix per
-            partition), V as [head_size, kv_heads, blocks, block_size] (V^T per partition, tokens
-            contiguous as in the cache); fp8 decoded by one 256-entry table lookup
-    logits  bmm(q group [G, D], K^T) -> float32 q.k (* scale, + ALiBi, block-sparse -FLT_MAX)
+    K       one gather through the block table, into the layout the matmul reads without a copy:
+            [kv_heads, blocks, block_size, head_size] (a [tokens, head_size] matrix per partition);
+            fp8 decoded by one 256-entry table lookup
+    logits  bmm(q group [G, D], K^T) -> float32 q.k (* scale, + ALiBi, block-sparse -FLT_MAX);
+            the gathered K is freed here
     softmax per partition: max, exp(scale * qk - max) in place, sum, p = exp / (sum + 1e-6)
-            rounded to the query dtype (vLLM's rounding), then bmm(p, V) accumulated in float32:
-            the normalised partition output
+            rounded to the query dtype (vLLM's rounding)
+    V       one gather, as [head_size, kv_heads, blocks, block_size] (V^T per partition, tokens
+            contiguous as in the cache), then bmm(p, V) accumulated in float32: the normalised
+            partition output
 
-Then, per group of chunks (as many as ``MAX_RESULT_BYTES`` of partition results hold; one sequence
-where a sequence spans several tiles), the partitions are reduced into ``out`` with vLLM's rescaling
+Then, per group of chunks (as many as ``MAX_RESULT_BYTES`` of partition results hold; where a
+sequence spans several tiles, as many sequences), the partitions are reduced into ``out`` with vLLM's rescaling
 (``w_p = exp_sum_p * exp(max_p - max)``, ``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a
 single partition copied). v2 writes its three per-partition outputs only for partitions
 ``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query dtype, like
@@ -54,10 +56,10 @@ the gathered cache stays in its dtype and the products accumulate and come out i
 elsewhere (CPU, older torch such as the BI-V100's 2.1) K, V and the probabilities are upcast to
 float32 first. Both give float32 logits and float32 accumulation of exactly the rounded p.
 
-Peak extra memory. A tile's working set (gathered K and V, their float32 copies where needed,
-fp8 lookup indices, float32 logits and the picked boundary partition, rounded probabilities) is
+Peak extra memory. A tile's working set (gathered K or V, its float32 copy where needed, fp8
+lookup indices, float32 logits and the picked boundary partition, rounded probabilities) is
 estimated per token (``_bytes_per_token``) and kept under ``MAX_TILE_BYTES`` (512 MiB: a 1 GB
-K+V row runs in 3 tiles); a tile never shrinks below one partition of one sequence, so the bound
+fp16 K+V row with 32 query heads on 8 KV heads runs in 2 tiles); a tile never shrinks below one partition of one sequence, so the bound
 is ``max(MAX_TILE_BYTES, 512 * bytes_per_token)``, plus per chunk the float32 partition results
 and the reduce's temporaries (about ``8 * G / (512 * element_size)`` of that chunk's gathered V
 bytes), plus the per-call index tensors; ``peak_extra_bytes(call)`` adds these up.
@@ -110,13 +112,14 @@ def _bmm32(a, b, mixed):
 
 
 def _bytes_per_token(call, mixed):
-    """Upper bound of a tile's working set per cached token of one sequence (all heads)."""
+    """Upper bound of a tile's working set per cached token of one sequence (all heads). K and V are
+    gathered one after the other (K is freed first), so one of them counts."""
     elem = call.query.element_size()
     fp8_cache = call.kv_cache_dtype != "auto"
-    if mixed:  # K and V gathered in the query dtype; fp8: V's bits and int32 lookup indices meanwhile
-        per_dim = 2 * elem + (5 if fp8_cache else 0)
-    else:      # K and V in float32, plus V's picked blocks (fp8: its bits and lookup indices)
-        per_dim = 2 * 4 + (5 if fp8_cache else elem)
+    if mixed:  # gathered in the query dtype; fp8: its bits and int32 lookup indices meanwhile
+        per_dim = elem + (5 if fp8_cache else 0)
+    else:      # in float32, plus the picked blocks before their conversion (fp8: bits and lookup indices)
+        per_dim = 4 + (5 if fp8_cache else 0 if elem == 4 else elem)
     per_head = 4 + 4 + elem + (0 if mixed else 4)  # q.k (exp in place), boundary partition, p (and float32 p)
     if call.alibi_slopes is not None or call.blocksparse is not None or call.scale <= 0:
         per_head += 8 + 1                           # scaled logits, ALiBi term, block-sparse mask
@@ -152,11 +155,11 @@ def _plan(call, mixed):
 
 
 def _reduce_group(call, chunk, tile_parts):
-    """Sequences whose partition results are reduced together: whole chunks (one sequence where a sequence
-    spans several tiles), as many as ``MAX_RESULT_BYTES`` of results hold. Fewer reduces: each is a
-    dozen small tensor ops, and on a slow host those cost more than the tile's matmuls."""
+    """Sequences whose partition results are reduced together: whole chunks (single sequences where a
+    sequence spans several tiles), as many as ``MAX_RESULT_BYTES`` of results hold. Fewer reduces: each
+    is a dozen small tensor ops, and on a slow host those cost more than the tile's matmuls."""
     if tile_parts < call.max_num_partitions:
-        return 1
+        chunk = 1
     per_chunk = chunk * call.num_heads * call.max_num_partitions * (call.head_size + 2) * 4
     return min(chunk * max(1, MAX_RESULT_BYTES // per_chunk), call.num_seqs)
 
@@ -364,19 +367,16 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
     blocks = index.block_ids[seqs, parts.start * columns:parts.stop * columns].reshape(-1)
     dtype = queries.dtype  # the matmul dtype
     key_table, value_table = scaled_tables
-    keys = _gather(key_source, blocks, dtype, key_table)
-    values = _gather(value_source, blocks, dtype, value_table)  # [head_size, kv_heads, tile blocks, block_size]
-
     if boundary is None:
         boundary = _boundary(call, index, seqs, parts, columns, None)[0]
     past_end, part_pos, block_pos, slot_past_end, blocks_from_last = boundary
-    boundary_values = values.index_select(2, block_pos).masked_fill_(slot_past_end, 0)  # 0 * NaN is NaN
-    _as_words(values, _VALUE_WORD_BYTES).index_fill_(2, blocks_from_last, 0)
-    values.index_copy_(2, block_pos, boundary_values)
 
+    # K, then V: the gathered K is freed before V is gathered, so a tile holds one of them at a time.
+    keys = _gather(key_source, blocks, dtype, key_table)
     query = queries[:, seqs, None].expand(kv_heads, num_seqs, num_parts, group, head_size).reshape(batch, group,
                                                                                                  head_size)
     logits = _bmm32(query, keys.view(batch, width, head_size).transpose(1, 2), mixed)
+    del keys
     logits = logits.view(kv_heads, num_seqs, num_parts, group, width)  # q.k, float32
     scale, keep = call.scale, None
     if call.alibi_slopes is not None or call.blocksparse is not None or scale <= 0:
@@ -403,8 +403,14 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
     total = weights.sum(dim=-1)
     probs = torch.empty(weights.shape, dtype=call.query.dtype, device=device)
     torch.mul(weights, (total + 1e-6).reciprocal_()[..., None], out=probs)  # vLLM rounds p to the query dtype
+    del logits, by_part, weights  # (views of the float32 logits)
     if keep is not None:  # skipped tokens count in the sum but their V is never read
         probs.masked_fill_(~keep, 0)
+
+    values = _gather(value_source, blocks, dtype, value_table)  # [head_size, kv_heads, tile blocks, block_size]
+    boundary_values = values.index_select(2, block_pos).masked_fill_(slot_past_end, 0)  # 0 * NaN is NaN
+    _as_words(values, _VALUE_WORD_BYTES).index_fill_(2, blocks_from_last, 0)
+    values.index_copy_(2, block_pos, boundary_values)
     outputs = _bmm32(probs.view(batch, group, width), values.view(head_size, batch, width).permute(1, 2, 0), mixed)
     return top, total, outputs.view(kv_heads, num_seqs, num_parts, group, head_size)
 
