@@ -29,8 +29,10 @@ Per-call tensors (lengths, clamped block ids, written partitions, bad sequences,
 positions of tiles of whole sequences, the query in the matmul layout) are built once. Host cost
 matters as much as bandwidth here: an eager tensor op costs 10-20 us of host time on the H200's
 host, and a 2 GB call was host-bound at 4.3-4.7 ms against 2.7 ms of GPU time. The plain case (no
-ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") makes 166 torch calls (views and
-tensor properties included) for a v1 call of 8 sequences in one tile, and 53 more per extra tile.
+ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") makes 123-138 torch calls (views and
+tensor properties included; float32 matmul path) for a v1 call of 8 sequences in one tile, about 60
+more per extra tile of whole sequences and about 100 per tile where a sequence spans several (its
+boundary is found per tile).
 
 Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included.
 Only the partition holding a sequence's last token mixes used and unused slots, so only it is
@@ -59,10 +61,11 @@ float32 first. Both give float32 logits and float32 accumulation of exactly the 
 Peak extra memory. A tile's working set (gathered K or V, its float32 copy where needed, fp8
 lookup indices, float32 logits and the picked boundary partition, rounded probabilities) is
 estimated per token (``_bytes_per_token``) and kept under ``MAX_TILE_BYTES`` (512 MiB: a 1 GB
-fp16 K+V row with 32 query heads on 8 KV heads runs in 2 tiles); a tile never shrinks below one partition of one sequence, so the bound
-is ``max(MAX_TILE_BYTES, 512 * bytes_per_token)``, plus per chunk the float32 partition results
-and the reduce's temporaries (about ``8 * G / (512 * element_size)`` of that chunk's gathered V
-bytes), plus the per-call index tensors; ``peak_extra_bytes(call)`` adds these up.
+fp16 K+V row with 32 query heads on 8 KV heads runs in 2 tiles); a tile never shrinks below one
+partition of one sequence, so the bound is ``max(MAX_TILE_BYTES, 512 * bytes_per_token)``, plus
+per reduce group the float32 partition results and the reduce's temporaries (``MAX_RESULT_BYTES``
+of results, or one chunk's where that is more, and as much again in temporaries), plus the
+per-call index tensors; ``peak_extra_bytes(call)`` adds these up.
 
 Bad tables (documented decision). A sequence whose used block-table entries leave
 ``[0, num_blocks)``, whose seq_len needs more columns than ``block_tables`` has, or whose seq_len is
