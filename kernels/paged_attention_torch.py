@@ -77,6 +77,7 @@ No host synchronisation: sizes come from ``max_seq_len`` and the tensors' shapes
 ``v_scale`` tensors stay on the device.
 """
 
+import functools
 import math
 
 import torch
@@ -248,6 +249,8 @@ def _as_words(tensor, word_bytes):
 # as 16-byte ones (a 1 GiB copy: 501 us).
 _KEY_WORD_BYTES = 16
 _VALUE_WORD_BYTES = 8
+# Zeroing V's blocks past a sequence's end costs a store per word and index entry (a partition per sequence).
+_FILL_WORD_BYTES = 16
 
 
 class _Source:
@@ -351,11 +354,11 @@ def _boundary(call, index, seqs, parts, columns, chunk):
                     blocks_from_last.split(chunk * columns)))
 
 
-def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, queries, boundary=None):
+def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, queries, tile_boundary):
     """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``. ``sources``: the
     caches' ``_Source`` pair; ``queries``: the call's query as [kv_heads, seqs, group, head_size] in the
-    matmul dtype; ``boundary``: the tile's entry of the call's ``_boundary`` where tiles hold whole
-    sequences (else made here).
+    matmul dtype; ``tile_boundary()``: the tile's entry of ``_boundary``, asked for once K's gather is
+    queued, so that the device gathers while the host builds it.
 
     Returns tensors shaped [kv_heads, chunk, tile_partitions, group] (x head_size for the output).
     """
@@ -370,12 +373,9 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
     blocks = index.block_ids[seqs, parts.start * columns:parts.stop * columns].reshape(-1)
     dtype = queries.dtype  # the matmul dtype
     key_table, value_table = scaled_tables
-    if boundary is None:
-        boundary = _boundary(call, index, seqs, parts, columns, None)[0]
-    past_end, part_pos, block_pos, slot_past_end, blocks_from_last = boundary
-
     # K, then V: the gathered K is freed before V is gathered, so a tile holds one of them at a time.
     keys = _gather(key_source, blocks, dtype, key_table)
+    past_end, part_pos, block_pos, slot_past_end, blocks_from_last = tile_boundary()
     query = queries[:, seqs, None].expand(kv_heads, num_seqs, num_parts, group, head_size).reshape(batch, group,
                                                                                                  head_size)
     logits = _bmm32(query, keys.view(batch, width, head_size).transpose(1, 2), mixed)
@@ -412,7 +412,7 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
 
     values = _gather(value_source, blocks, dtype, value_table)  # [head_size, kv_heads, tile blocks, block_size]
     boundary_values = values.index_select(2, block_pos).masked_fill_(slot_past_end, 0)  # 0 * NaN is NaN
-    _as_words(values, _VALUE_WORD_BYTES).index_fill_(2, blocks_from_last, 0)
+    _as_words(values, _FILL_WORD_BYTES).index_fill_(2, blocks_from_last, 0)
     values.index_copy_(2, block_pos, boundary_values)
     outputs = _bmm32(probs.view(batch, group, width), values.view(head_size, batch, width).permute(1, 2, 0), mixed)
     return top, total, outputs.view(kv_heads, num_seqs, num_parts, group, head_size)
@@ -486,9 +486,15 @@ def forward(call):
     kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
     queries = call.query.unflatten(1, (kv_heads, group)).transpose(0, 1).to(matmul_dtype)
     reduced = _reduce_group(call, chunk, tile_parts)
-    boundaries = None
-    if tile_parts >= partitions:  # tiles of whole sequences: the boundaries of all tiles at once
-        boundaries = _boundary(call, index, slice(0, num_seqs), slice(0, partitions), columns, chunk)
+    boundaries = []
+
+    def tile_boundary(seqs, parts):
+        if tile_parts < partitions:  # a sequence over several tiles: each tile's own
+            return _boundary(call, index, seqs, parts, columns, None)[0]
+        if not boundaries:  # tiles of whole sequences: all tiles' at once, at the first tile
+            boundaries.extend(_boundary(call, index, slice(0, num_seqs), slice(0, partitions), columns, chunk))
+        return boundaries[seqs.start // chunk]
+
     buffers = None
     if reduced > chunk or tile_parts < partitions:  # several tiles' results, reduced together
         stats_shape = (kv_heads, reduced, partitions, group)
@@ -498,17 +504,18 @@ def forward(call):
     for group_start in range(0, num_seqs, reduced):
         group_stop = min(group_start + reduced, num_seqs)
         if buffers is None:
-            results = _tile(call, sources, index, slice(group_start, group_stop), slice(0, partitions), columns, mixed,
-                            scaled_tables, queries, boundaries[group_start // chunk])
+            seqs, parts = slice(group_start, group_stop), slice(0, partitions)
+            results = _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, queries,
+                            functools.partial(tile_boundary, seqs, parts))
         else:
             results = tuple(buffer[:, :group_stop - group_start] for buffer in buffers)
             for start in range(group_start, group_stop, chunk):
                 seqs = slice(start, min(start + chunk, group_stop))
                 rows = slice(seqs.start - group_start, seqs.stop - group_start)
-                boundary = None if boundaries is None else boundaries[start // chunk]
                 for first in range(0, partitions, tile_parts):  # one run unless a sequence is over a tile
                     parts = slice(first, min(first + tile_parts, partitions))
                     for result, tile_result in zip(results, _tile(call, sources, index, seqs, parts, columns, mixed,
-                                                                   scaled_tables, queries, boundary)):
+                                                                   scaled_tables, queries,
+                                                                   functools.partial(tile_boundary, seqs, parts))):
                         result[:, rows, parts] = tile_result
         _reduce(call, index, slice(group_start, group_stop), *results)
