@@ -22,8 +22,8 @@ query heads of a group (no Python loop per token or partition). Per tile::
 Then, per group of chunks (as many as ``MAX_RESULT_BYTES`` of partition results hold; where a
 sequence spans several tiles, as many sequences), the partitions are reduced into ``out`` with
 vLLM's rescaling (``w_p = exp_sum_p * exp(max_p - max)``,
-``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a single partition copied). v2 writes its three per-partition outputs only for partitions
-``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query dtype, like
+``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a single partition copied). v2 writes its
+three per-partition outputs only for partitions ``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query dtype, like
 vLLM's reduce kernel); v1 reduces from the float32 partition outputs. seq_len 0 gives zeros.
 Per-call tensors (lengths, clamped block ids, written partitions, bad sequences, the boundary
 positions of tiles of whole sequences, the query in the matmul layout) are built once. Host cost
