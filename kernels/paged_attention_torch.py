@@ -22,17 +22,17 @@ query heads of a group (no Python loop per token or partition). Per tile::
 Then, per group of chunks (as many as ``MAX_RESULT_BYTES`` of partition results hold; where a
 sequence spans several tiles, as many sequences), the partitions are reduced into ``out`` with
 vLLM's rescaling (``w_p = exp_sum_p * exp(max_p - max)``,
-``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a single partition copied). v2 writes its
-three per-partition outputs only for partitions ``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query dtype, like
-vLLM's reduce kernel); v1 reduces from the float32 partition outputs. seq_len 0 gives zeros.
-Per-call tensors (lengths, clamped block ids, written partitions, bad sequences, the boundary
-positions of tiles of whole sequences, the query in the matmul layout) are built once. Host cost
-matters as much as bandwidth here: an eager tensor op costs 7-20 us of host time on the H200's
-host, and a 2 GB call takes 2.2-3.0 ms of it against 2.45 ms of GPU time. The plain case (no
-ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") makes 123-138 torch calls (views and
-tensor properties included; float32 matmul path) for a v1 call of 8 sequences in one tile, about 60
-more per extra tile of whole sequences and about 100 per tile where a sequence spans several (its
-boundary is found per tile).
+``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a single partition copied). v2 writes its three per-partition outputs only for
+partitions ``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query
+dtype, like vLLM's reduce kernel); v1 reduces from the float32 partition outputs. seq_len 0 gives
+zeros. Per-call tensors (lengths, clamped block ids, written partitions, bad sequences, the
+boundary positions of tiles of whole sequences, the query in the matmul layout) are built once.
+Host cost matters as much as bandwidth here: an eager tensor op costs 7-20 us of host time on the
+H200's host, and a 2 GB call takes 2.2-3.0 ms of it against 2.45 ms of GPU time. The plain case
+(no ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") makes 123-138 torch calls (views
+and tensor properties included; float32 matmul path) for a v1 call of 8 sequences in one tile,
+about 60 more per extra tile of whole sequences and about 100 per tile where a sequence spans
+several (its boundary is found per tile).
 
 Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included.
 Only the partition holding a sequence's last token mixes used and unused slots, so only it is
