@@ -28,6 +28,12 @@ def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+# Files whose tests share nothing costly (no module or session fixture worth building twice): under
+# ``--dist loadgroup`` their tests spread over the workers one by one. Every other file stays on one worker.
+SPREAD_PER_TEST = {"test_paged_attention_triton.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA-like device")
     skip_cpu_machine = pytest.mark.skip(reason="asserts a machine without a GPU")
@@ -36,3 +42,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "cpu_machine" in item.keywords and HAS_CUDA:
             item.add_marker(skip_cpu_machine)
+        if item.path.name not in SPREAD_PER_TEST:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
