@@ -100,8 +100,7 @@ def test_estimate_bounds_the_compiled_shared_memory(compiled):
 
 
 def test_a_limit_below_the_need_is_reported_per_variant():
-    limits = variants.target_limits(CAPABILITY, SHARED_MEMORY_LIMIT)
-    one = [v for v in variants.variant_list(limits) if v.kernel == "attention" and v.config.use_dot][:1]
+    one = [v for v in LISTED if v.kernel == "attention" and v.config.use_dot][:1]
     (result,) = variants.compile_variants(CAPABILITY, 1024, variants=one, workers=1)
     assert not result["ok"] and "over the limit of 1024" in result["error"] and result["shared_bytes"] > 1024
 
