@@ -7,7 +7,11 @@ compiles each with ``triton.compile(ASTSource, target=GPUTarget("cuda", capabili
 GPU needed. Each variant is compiled with ALiBi, block sparsity and split outputs switched on (the
 superset of its code); head sizes that pad to the same tile share one compiled kernel (the head
 size is a runtime argument). Compiles run in fresh processes (``TRITON_INTERPRET`` would turn
-``triton.jit`` into the interpreter), ``workers`` at a time.
+``triton.jit`` into the interpreter), ``workers`` at a time. ``through="llir"`` stops each compile once
+the kernel is lowered to LLVM IR, where its shared memory is allocated and known: under Triton 3 that skips
+LLVM's O3 for NVPTX, PTX and the cubin (about 90% of the time on the largest kernels), all NVIDIA's steps,
+which a CoreX device replaces with its own; Triton 2.x optimizes inside its lowering, so only PTX and
+cubin go.
 """
 
 import concurrent.futures
@@ -90,14 +94,20 @@ def target_limits(capability, shared_memory_limit, warp_size=32, multiprocessor_
                         warp_size=warp_size, capability=tuple(capability))
 
 
+COMPILE_STAGES = ("cubin", "llir")
+
+
 def compile_variants(capability, shared_memory_limit, progress=None, *, warp_size=32, workers=None,
-                     variants=None):
-    """Compile every variant for ``capability`` (e.g. (7, 0)) without a GPU.
+                     variants=None, through="cubin"):
+    """Compile every variant for ``capability`` (e.g. (7, 0)) without a GPU, down to ``through`` (a stage of
+    ``COMPILE_STAGES``: "cubin" is the whole pipeline).
 
     Returns one dict per variant: kernel, head_size, block_size, dtype, kv_cache_dtype, config (a dict),
     shared_bytes, ok (compiled and within ``shared_memory_limit``), error (None or the message).
     ``progress(done, total)`` is called after each compile.
     """
+    if through not in COMPILE_STAGES:
+        raise ValueError(f"through must be one of {', '.join(COMPILE_STAGES)}; got {through!r}")
     capability = tuple(capability)
     if variants is None:
         variants = variant_list(target_limits(capability, shared_memory_limit, warp_size))
@@ -106,7 +116,7 @@ def compile_variants(capability, shared_memory_limit, progress=None, *, warp_siz
         unique.setdefault(variant.compile_key(), variant)
     workers = workers or max(1, min(os.cpu_count() or 1, len(unique)))
     keys = list(unique)
-    arguments = [(unique[key], capability, warp_size) for key in keys]
+    arguments = [(unique[key], capability, warp_size, through) for key in keys]
     outcomes = {}
 
     def record(index, outcome):
@@ -173,7 +183,26 @@ def in_own_process(function, *args, died):
             return died
 
 
-def _compile_one(variant, capability, warp_size):
+class _LLIRReached(Exception):
+    """Raised in place of Triton 3's PTX stage: ``metadata["shared"]`` is set once LLVM IR is made."""
+
+    def __init__(self, shared):
+        super().__init__(shared)
+        self.shared = shared
+
+
+def _stop_after_lowering(backend_class, llvm):
+    """In this worker process only: skip Triton 3's LLVM O3 (``llvm.optimize_module``) and make
+    ``backend_class`` (its CUDA backend) raise ``_LLIRReached`` where its PTX stage would start:
+    ``triton.compile`` has no stage to stop at."""
+    def make_ptx(self, src, metadata, *args):
+        raise _LLIRReached(metadata["shared"])
+
+    backend_class.make_ptx = make_ptx
+    llvm.optimize_module = lambda *args, **kwargs: None
+
+
+def _compile_one(variant, capability, warp_size, through):
     """(shared bytes, None) or (None, error message); runs in a worker process."""
     os.environ.pop("TRITON_INTERPRET", None)
     try:
@@ -191,19 +220,26 @@ def _compile_one(variant, capability, warp_size):
             fn = kernels._reduce_kernel
         signature, constexprs, attrs = _signature(fn, variant, constants)
         if not configs.triton_3():
-            return _compile_triton_2(fn, signature, constexprs, options, capability), None
+            return _compile_triton_2(fn, signature, constexprs, options, capability, through), None
+        from triton._C.libtriton import llvm
         from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
 
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                  target=GPUTarget("cuda", capability[0] * 10 + capability[1], warp_size),
-                                  options=options)
+        if through == "llir":
+            _stop_after_lowering(CUDABackend, llvm)
+        try:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                      target=GPUTarget("cuda", capability[0] * 10 + capability[1], warp_size),
+                                      options=options)
+        except _LLIRReached as reached:
+            return int(reached.shared), None
         return int(compiled.metadata.shared), None
     except Exception as error:  # reported per variant, not raised: the caller wants the whole table
         return None, f"{type(error).__name__}: {error}"[:2000]
 
 
-def _compile_triton_2(fn, signature, constexprs, options, capability):
-    """Shared bytes of ``fn`` compiled by Triton 2.x (the BI-V100's 2.3.1) down to a cubin for ``capability``.
+def _compile_triton_2(fn, signature, constexprs, options, capability, through):
+    """Shared bytes of ``fn`` compiled by Triton 2.x (the BI-V100's 2.3.1) down to ``through`` for ``capability``.
 
     Its stages run as its ``triton.compile`` runs them, without the last step, the C launcher, which links
     libcuda (absent without a GPU). Arguments are keyed by position, as its JIT keys them: the unit strides
@@ -225,8 +261,10 @@ def _compile_triton_2(fn, signature, constexprs, options, capability):
     backend.add_stages(stages, parsed)
     metadata = {**parsed.__dict__, **source.metadata()}
     module = source.make_ir(parsed)
-    for compile_stage in stages.values():
+    for stage, compile_stage in stages.items():
         module = compile_stage(module, metadata)
+        if stage == through:
+            break
     return int(metadata["shared"])
 
 

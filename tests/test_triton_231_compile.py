@@ -4,10 +4,11 @@ The 2.3 subset check (test_triton_23_subset.py) only checks names; 2.3.1's compi
 (a scalar beside a bfloat16 tensor made float32, and tl.dot then refused the pair: found on the H200, see
 results/nvidia-h200/triton231.json). Here every variant the BI-V100's figures pick (capability 7.0, 48 KB,
 warp 64), for head sizes that pad to 128 and 256 and 16-token blocks (plus every reduce and partition-reduce
-variant), goes through 2.3.1's whole pipeline down to a cubin. The cubin is for capability 8.0: 2.3.1's own
-7.0 backend is NVIDIA Volta's, which rejects bfloat16 in ptxas and fails every 16-bit tl.dot ("map::at"),
-while a BI-V100 compiles through CoreX's backend. The 2.3.1 installed by .ci/run under .ci/envs/triton231
-runs in a child process, with the compiles in spawned workers under it (Triton's cache in .ci/envs).
+variant), goes through 2.3.1's pipeline down to LLVM IR, where its shared memory is known (PTX and cubin
+are NVIDIA's stages; a BI-V100 compiles LLVM IR through CoreX's backend). It compiles for capability 8.0:
+2.3.1's own 7.0 backend is NVIDIA Volta's, which rejects bfloat16 in ptxas and fails every 16-bit tl.dot
+("map::at"). The 2.3.1 installed by .ci/run under .ci/envs/triton231 runs in a child process, with the
+compiles in spawned workers under it (Triton's cache in .ci/envs).
 """
 
 import json
@@ -41,7 +42,7 @@ if __name__ == "__main__":
     chosen = [variant for variant in variants.variant_list(bi_v100)
               if (variant.kernel != "attention" or variant.block_size == 16)
               and configs._next_power_of_2(variant.head_size) in (128, 256)]
-    results = variants.compile_variants((8, 0), 48 * 1024, variants=chosen, workers=2)
+    results = variants.compile_variants((8, 0), 48 * 1024, variants=chosen, workers=2, through="llir")
     import triton
     print(json.dumps({"triton": triton.__version__, "results": results}))
 """
