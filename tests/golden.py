@@ -262,7 +262,7 @@ def non_contiguous(tensor, dims):
 
 def check_nan_in_unused_slots_changes_nothing(backend, device, kv_cache_dtype):
     """NaN in tail slots and unused blocks leaves every output exactly as it is without it."""
-    args = (torch.bfloat16, 64, 8, 8, 2, [3, 515, 1030])
+    args = (torch.bfloat16, 64, 8, 8, 2, [3, 515])  # 515: a 3-token second partition, 5 spare tail slots
     clean = random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7)
     poisoned = random_case(*args, kv_cache_dtype=kv_cache_dtype, seed=7, poison=True)
     assert not torch.equal(clean["value_cache"], poisoned["value_cache"])
