@@ -9,9 +9,9 @@ superset of its code); head sizes that pad to the same tile share one compiled k
 size is a runtime argument). Compiles run in fresh processes (``TRITON_INTERPRET`` would turn
 ``triton.jit`` into the interpreter), ``workers`` at a time. ``through="llir"`` stops each compile once
 the kernel is lowered to LLVM IR, where its shared memory is allocated and known: under Triton 3 that skips
-LLVM's O3 for NVPTX, PTX and the cubin (about 90% of the time on the largest kernels), all NVIDIA's steps,
-which a CoreX device replaces with its own; Triton 2.x optimizes inside its lowering, so only PTX and
-cubin go.
+LLVM's O3 for NVPTX, PTX and the cubin, all NVIDIA's steps, which a CoreX device replaces with its own
+(capability 7.0, 143 kernels on 2 cores: 364 -> 86 s). Triton 2.x runs LLVM's optimizer inside its
+lowering, so there only PTX and cubin go.
 """
 
 import concurrent.futures
