@@ -191,14 +191,16 @@ class _LLIRReached(Exception):
         self.shared = shared
 
 
-def _stop_after_lowering(backend_class, llvm):
-    """In this worker process only: skip Triton 3's LLVM O3 (``llvm.optimize_module``) and make
-    ``backend_class`` (its CUDA backend) raise ``_LLIRReached`` where its PTX stage would start:
-    ``triton.compile`` has no stage to stop at."""
+def _stop_after_lowering():
+    """In this worker process only: skip Triton 3's LLVM O3 (``llvm.optimize_module``) and make its CUDA
+    backend raise ``_LLIRReached`` where its PTX stage would start: ``triton.compile`` has no stage to stop at."""
+    from triton._C.libtriton import llvm
+    from triton.backends.nvidia.compiler import CUDABackend
+
     def make_ptx(self, src, metadata, *args):
         raise _LLIRReached(metadata["shared"])
 
-    backend_class.make_ptx = make_ptx
+    CUDABackend.make_ptx = make_ptx
     llvm.optimize_module = lambda *args, **kwargs: None
 
 
@@ -221,12 +223,10 @@ def _compile_one(variant, capability, warp_size, through):
         signature, constexprs, attrs = _signature(fn, variant, constants)
         if not configs.triton_3():
             return _compile_triton_2(fn, signature, constexprs, options, capability, through), None
-        from triton._C.libtriton import llvm
         from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import CUDABackend
 
         if through == "llir":
-            _stop_after_lowering(CUDABackend, llvm)
+            _stop_after_lowering()
         try:
             compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                       target=GPUTarget("cuda", capability[0] * 10 + capability[1], warp_size),
