@@ -91,11 +91,16 @@ def make_paged_case(*, kernel, head_size, block_size, dtype, kv_cache_dtype="aut
                     num_seqs=2, num_heads=4, num_kv_heads=2, seq_lens=None, seed=0):
     """Inputs of one decode call in vLLM's layouts, blocks scattered over a shuffled pool.
 
-    The v2 case spans two 512-token partitions; the last block of each sequence is partly used.
+    The v2 case spans two 512-token partitions; the v1 case is long enough (half a partition) for the Triton
+    backend to split it over programs and reduce the splits in the same launch; the last block of each
+    sequence is partly used.
     """
     generator = torch.Generator().manual_seed(seed)
     if seq_lens is None:
-        seq_lens = [contract.PARTITION_SIZE + block_size + 3, 5] if kernel == "v2" else [3 * block_size + 5, 1]
+        if kernel == "v2":
+            seq_lens = [contract.PARTITION_SIZE + block_size + 3, 5]
+        else:
+            seq_lens = [contract.PARTITION_SIZE // 2 + block_size + 5, 1]
         seq_lens = (seq_lens * num_seqs)[:num_seqs]
     fp8 = kv_cache_dtype != "auto"
     x = 16 if fp8 else 16 // torch.empty((), dtype=dtype).element_size()
