@@ -45,10 +45,6 @@ PROGRAMS_PER_SM = 4
 SUBSPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SUBSPLITS = 8  # v2: a 512-token partition in 64-token sub-splits at most
-# v1's splits are reduced by the program that finishes last, in the attention launch, up to this many splits
-# (its combine is serial, UNROLL splits per round of loads); more go to _reduce_kernel, whose programs load
-# every split at once.
-FUSED_REDUCE_MAX_SPLITS = 16
 REDUCE_NUM_WARPS = 4
 REDUCE_TILE = 4096        # float32 values per reduce program and load
 REDUCE_MAX_SPLITS = 256

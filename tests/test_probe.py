@@ -439,6 +439,30 @@ def test_step_3_covers_every_default_format_binary_and_fp8_samples(monkeypatch):
     assert {e["dtype"] for e in chosen if e["kernel"] == "v1"} == {"float32", "float16", "bfloat16"}
 
 
+def test_step_3_v1_cases_split_so_the_split_reduce_runs(monkeypatch):
+    # Step 3's v1 call must reach v1's split path (attention into float32 splits, then their reduce) on a
+    # BI-V100's figures and on the interpreter's: a 53-token case ran as one split, so the reduce went unprobed.
+    from biv100_patch.kernels import configs, limits
+    from biv100_patch.probe import steps
+
+    bi_v100 = limits.DeviceLimits(shared_memory_per_block=49152, multiprocessor_count=16, warp_size=64,
+                                  capability=(7, 0))
+    for device_limits in (bi_v100, configs.INTERPRETER_LIMITS):
+        monkeypatch.setattr(steps, "device_limits", lambda context: device_limits)
+        v1_cases = [e for e in steps._kernel_variants({"device": {"index": 0}}) if e["kernel"] == "v1"]
+        assert v1_cases
+        for entry in v1_cases:
+            case = steps.make_paged_case(kernel="v1", head_size=entry["head_size"], block_size=entry["block_size"],
+                                         dtype=steps.DTYPES[entry["dtype"]], kv_cache_dtype=entry["kv_cache_dtype"],
+                                         num_heads=entry["num_heads"], num_kv_heads=entry["num_kv_heads"])
+            config = configs.choose_config(device_limits, entry["head_size"], entry["block_size"],
+                                           steps.DTYPES[entry["dtype"]], entry["kv_cache_dtype"],
+                                           entry["num_heads"] // entry["num_kv_heads"])
+            programs = case["query"].shape[0] * entry["num_kv_heads"] * -(-entry["num_heads"] // config.heads_block)
+            splits, _ = configs.choose_splits(device_limits, programs, case["max_seq_len"], config.block_n)
+            assert splits > 1, entry
+
+
 @pytest.mark.parametrize("largest, fits", [(49152, True), (49153, False)])
 def test_step_4_judges_the_binaries_step_3_compiled_in_its_workers(monkeypatch, largest, fits):
     from biv100_patch.kernels import limits
