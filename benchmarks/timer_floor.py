@@ -17,6 +17,8 @@ from kernels import paged_attention_triton as pat
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
+if not torch.cuda.is_available():
+    sys.exit("timer_floor.py times GPU kernels: it needs a CUDA device (torch.cuda.is_available() is false)")
 dev = torch.device("cuda")
 flush_buf = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=dev)
 sink = torch.empty((), dtype=torch.int64, device=dev)
