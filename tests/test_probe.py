@@ -442,7 +442,9 @@ def test_step_3_covers_every_default_format_binary_and_fp8_samples(monkeypatch):
 def test_step_3_v1_cases_split_so_the_split_reduce_runs(monkeypatch):
     # Step 3's v1 call must reach v1's split path (attention into float32 splits, then their reduce) on a
     # BI-V100's figures and on the interpreter's: a 53-token case ran as one split, so the reduce went unprobed.
-    from biv100_patch.kernels import configs, limits
+    import torch
+
+    from biv100_patch.kernels import configs, contract, limits, paged_attention_triton
     from biv100_patch.probe import steps
 
     bi_v100 = limits.DeviceLimits(shared_memory_per_block=49152, multiprocessor_count=16, warp_size=64,
@@ -455,11 +457,8 @@ def test_step_3_v1_cases_split_so_the_split_reduce_runs(monkeypatch):
             case = steps.make_paged_case(kernel="v1", head_size=entry["head_size"], block_size=entry["block_size"],
                                          dtype=steps.DTYPES[entry["dtype"]], kv_cache_dtype=entry["kv_cache_dtype"],
                                          num_heads=entry["num_heads"], num_kv_heads=entry["num_kv_heads"])
-            config = configs.choose_config(device_limits, entry["head_size"], entry["block_size"],
-                                           steps.DTYPES[entry["dtype"]], entry["kv_cache_dtype"],
-                                           entry["num_heads"] // entry["num_kv_heads"])
-            programs = case["query"].shape[0] * entry["num_kv_heads"] * -(-entry["num_heads"] // config.heads_block)
-            splits, _ = configs.choose_splits(device_limits, programs, case["max_seq_len"], config.block_n)
+            call = contract.check_call(torch.empty_like(case["query"]), **case)
+            splits = paged_attention_triton._plan(call, device_limits).splits_for(call)[0]  # the backend's own plan
             assert splits > 1, entry
 
 
