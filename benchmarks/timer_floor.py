@@ -16,6 +16,7 @@ import kernels
 from kernels import paged_attention_triton as pat
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+from bench_paged_attention import BLOCK_SIZE, HEAD_SIZE, CachePool  # noqa: E402
 
 if not torch.cuda.is_available():
     sys.exit("timer_floor.py times GPU kernels: it needs a CUDA device (torch.cuda.is_available() is false)")
@@ -49,18 +50,14 @@ def rows():
             yield heads, ns, L
 
 def make(heads, ns, L, dtype=torch.float16):
+    """The row's query, its output, its paged cache (a CachePool), block tables and sequence lengths."""
     hq, hk = heads
-    bs, D = 16, 128
-    nb_seq = L // bs
-    nblocks = ns * nb_seq
-    x = 16 // torch.empty((), dtype=dtype).element_size()
-    key = torch.randn(nblocks, hk, D // x, bs, x, dtype=dtype, device=dev)
-    value = torch.randn(nblocks, hk, D, bs, dtype=dtype, device=dev)
-    tables = torch.randperm(nblocks, device=dev, dtype=torch.int32).view(ns, nb_seq)
+    blocks_per_seq = L // BLOCK_SIZE
+    pool = CachePool(dtype, hk, ns * blocks_per_seq, dev, generator=None)
+    tables = torch.randperm(pool.num_blocks, device=dev, dtype=torch.int32).view(ns, blocks_per_seq)
     lens = torch.full((ns,), L, dtype=torch.int32, device=dev)
-    q = torch.randn(ns, hq, D, dtype=dtype, device=dev)
-    out = torch.empty_like(q)
-    return q, out, key, value, tables, lens
+    q = torch.randn(ns, hq, HEAD_SIZE, dtype=dtype, device=dev)
+    return q, torch.empty_like(q), pool, tables, lens
 
 results = {"device": torch.cuda.get_device_name(), "floor": {}, "rows": []}
 x1 = torch.zeros(1, device=dev)
@@ -74,27 +71,21 @@ print(json.dumps(results["floor"]), flush=True)
 
 backend = kernels.get_backend("triton")
 real_reduce = pat._reduce
-class _NoReduce:
-    def __call__(self, *a, **k):
-        pass
+def no_reduce(*args, **kwargs):
+    pass
 for heads, ns, L in rows():
-    q, out, key, value, tables, lens = make(heads, ns, L)
-    args = (key, value, heads[1], 128 ** -0.5, tables, lens, 16, L, None, "auto", 1.0, 1.0)
+    q, out, pool, tables, lens = make(heads, ns, L)
+    args = (pool.key, pool.value, heads[1], HEAD_SIZE ** -0.5, tables, lens, BLOCK_SIZE, L, None, "auto", 1.0, 1.0)
     full = lambda: backend.paged_attention_v1(out, q, *args)
-    kc = torch.empty(ns, heads[1], L, 128, dtype=q.dtype, device=dev)
-    vc = torch.empty_like(kc)
-    for s in range(ns):
-        blk = tables[s].long()
-        kc[s] = key[blk].permute(1, 0, 3, 2, 4).reshape(heads[1], L, 128)
-        vc[s] = value[blk].permute(1, 0, 3, 2).reshape(heads[1], L, 128)
-    qs = q.view(ns, heads[0], 1, 128)
+    kc, vc = pool.contiguous(tables, L)
+    qs = q.view(ns, heads[0], 1, HEAD_SIZE)
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=heads[0] != heads[1])
     full()
-    rec = {"heads": heads, "ns": ns, "L": L, "kv_mb": 2 * key.numel() * 2 / 1e6}
+    rec = {"heads": heads, "ns": ns, "L": L, "kv_mb": 2 * pool.key.numel() * pool.key.element_size() / 1e6}
     for fname, flush in (("dirty", flush_dirty), ("clean", flush_clean)):
         rec[f"v1_{fname}"] = timed(full, flush)
         rec[f"sdpa_{fname}"] = timed(sdpa, flush)
-        pat._reduce = _NoReduce()
+        pat._reduce = no_reduce
         try:
             rec[f"attn_only_{fname}"] = timed(full, flush)
         finally:
@@ -102,7 +93,7 @@ for heads, ns, L in rows():
     rec["do_bench_v1"] = 1000 * triton.testing.do_bench(full, return_mode="median")
     results["rows"].append(rec)
     print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rec.items()}), flush=True)
-    del q, out, key, value, kc, vc
+    del q, out, pool, kc, vc
     torch.cuda.empty_cache()
 results["environment"] = _common.environment(dev)
 path = _common.results_dir(_common.DEFAULT_RESULTS_ROOT, dev) / "timer_floor.json"
