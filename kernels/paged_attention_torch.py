@@ -4,9 +4,11 @@ The fallback where Triton is not viable, and the CPU path. ``forward(call)`` tak
 ``contract.DecodeCall`` and writes ``out`` (v1) or ``out``, ``max_logits``, ``exp_sums`` and
 ``tmp_out`` (v2) in place.
 
-How it works. Work is split into tiles of (a chunk of sequences) x (a run of 512-token
-partitions); within a tile everything is batched over KV heads, sequences, partitions and the
-query heads of a group (no Python loop per token or partition). Per tile::
+How it works. Work is split into tiles of (a chunk of sequences) x (a run of partitions);
+within a tile everything is batched over KV heads, sequences, partitions and the query heads of a
+group (no Python loop per token or partition). v2's partitions are vLLM's 512 tokens; v1 takes
+each sequence as one partition, as vLLM's v1 kernel does (one softmax over the sequence, p rounded
+once), unless one sequence is over a tile, where it falls back to v2's partitions. Per tile::
 
     K       one gather through the block table, into the layout the matmul reads without a copy:
             [kv_heads, blocks, block_size, head_size] (a [tokens, head_size] matrix per partition);
@@ -22,25 +24,30 @@ query heads of a group (no Python loop per token or partition). Per tile::
 Then, per group of chunks (as many as ``MAX_RESULT_BYTES`` of partition results hold; where a
 sequence spans several tiles, as many sequences), the partitions are reduced into ``out`` with
 vLLM's rescaling (``w_p = exp_sum_p * exp(max_p - max)``,
-``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a single partition copied). v2 writes its three per-partition outputs only for
-partitions ``p < ceil(seq_len / 512)`` and reduces from the ``tmp_out`` values it wrote (query
-dtype, like vLLM's reduce kernel); v1 reduces from the float32 partition outputs. seq_len 0 gives
+``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a single partition copied). v2 writes its
+three per-partition outputs only for partitions ``p < ceil(seq_len / 512)`` and reduces from the
+``tmp_out`` values it wrote (query dtype, like vLLM's reduce kernel); v1's one partition is copied
+(where it falls back to partitions, it reduces from their float32 outputs). seq_len 0 gives
 zeros. Per-call tensors (lengths, clamped block ids, written partitions, bad sequences, the
 boundary positions of tiles of whole sequences, the query in the matmul layout) are built once.
 Host cost matters as much as bandwidth here: an eager tensor op costs 7-20 us of host time on the
 H200's host, and a 2 GB call takes 2.2-3.0 ms of it against 2.45 ms of GPU time. The plain case
-(no ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto") makes 123-138 torch calls (views
-and tensor properties included; float32 matmul path) for a v1 call of 8 sequences in one tile,
-about 60 more per extra tile of whole sequences and about 100 per tile where a sequence spans
-several (its boundary is found per tile).
+(no ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto", fp16, float32 matmul path) makes
+154 torch calls (views and tensor properties included; 104 at the top level of ATen) for a v1 call
+of 8 sequences in one tile, whatever their length (170 and 123 at 2048 tokens while v1 reduced
+512-token partitions), 201-218 for v2; about 60 more per extra tile of whole sequences and about
+100 per tile where a sequence spans several (its boundary is found per tile).
 
 Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included.
 Only the partition holding a sequence's last token mixes used and unused slots, so only it is
-masked: its logits are picked per sequence (``index_select``), set to -inf past the end and put
-back; of V, the block holding the last token is picked and zeroed past the end, the blocks after
-it in that partition are zeroed whole (``index_fill_``, in words) and the picked block is put back
-(0 * NaN would be NaN). Partitions wholly past the end are computed on whatever their clamped block
-ids hold and then discarded (``torch.where`` / ``masked_fill``, never a multiply).
+masked: its logits are set to -inf past the end (in place where a tile has one partition per
+sequence, else picked per sequence with ``index_select`` and put back); of V, the block holding the
+last token is picked and zeroed past the end, the blocks after it in that partition are zeroed
+whole (``index_fill_``, in words) and the picked block is put back (0 * NaN would be NaN). In v1's
+one partition that is every block up to ``max_seq_len``: a short sequence in a batch of long ones
+pays a 16-byte store per word of V it does not use. Partitions wholly past the end are computed on
+whatever their clamped block ids hold and then discarded (``torch.where`` / ``masked_fill``, never
+a multiply).
 
 Memory traffic (what the speed rests on). The gather moves whole stored runs: where the matmuls take
 the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as words and
@@ -138,33 +145,48 @@ def _partition_overhead(call, mixed):
             + call.num_kv_heads * call.head_size * call.block_size * 4 + 64)
 
 
-def _columns(call):
-    """Block-table columns per partition: 512 tokens' worth, or for a single partition max_seq_len's."""
-    if call.max_num_partitions > 1:
-        return PARTITION_SIZE // call.block_size
-    return (call.max_seq_len + call.block_size - 1) // call.block_size
+class _Plan:
+    """How ``forward`` cuts a call into tiles.
+
+    partitions   partitions per sequence: vLLM's 512-token ones for v2 (it writes their results); for v1
+                 one per sequence, as vLLM's v1 kernel computes it (one softmax and no partition reduce:
+                 17 fewer tensor ops a call), unless one sequence would not fit a tile
+    columns      block-table columns per partition
+    chunk        sequences per tile
+    tile_parts   partitions per tile (fewer than ``partitions`` where one sequence is over a tile)
+    tile_bytes   bytes one tile may use
+    """
+
+    __slots__ = ("partitions", "columns", "chunk", "tile_parts", "tile_bytes")
 
 
 def _plan(call, mixed):
-    """(columns per partition, chunk of sequences, partitions per tile, bytes one tile may use)."""
-    partitions = call.max_num_partitions
-    columns = _columns(call)
-    per_partition = columns * call.block_size * _bytes_per_token(call, mixed) + _partition_overhead(call, mixed)
-    per_sequence = per_partition * partitions
+    """The call's ``_Plan``."""
+    plan = _Plan()
+    whole_columns = (call.max_seq_len + call.block_size - 1) // call.block_size
+    fixed_columns = PARTITION_SIZE // call.block_size
+    per_token, overhead = call.block_size * _bytes_per_token(call, mixed), _partition_overhead(call, mixed)
+    if call.max_num_partitions <= 1 or (not call.is_v2 and whole_columns * per_token + overhead <= MAX_TILE_BYTES):
+        plan.partitions, plan.columns = 1, whole_columns
+    else:
+        plan.partitions, plan.columns = call.max_num_partitions, fixed_columns
+    per_partition = plan.columns * per_token + overhead
+    per_sequence = per_partition * plan.partitions
     if per_sequence <= MAX_TILE_BYTES:
-        chunk = min(max(call.num_seqs, 1), MAX_TILE_BYTES // per_sequence)
-        return columns, chunk, partitions, chunk * per_sequence
-    tile_parts = max(1, MAX_TILE_BYTES // per_partition)
-    return columns, 1, tile_parts, tile_parts * per_partition
+        plan.chunk = min(max(call.num_seqs, 1), MAX_TILE_BYTES // per_sequence)
+        plan.tile_parts, plan.tile_bytes = plan.partitions, plan.chunk * per_sequence
+    else:
+        plan.chunk, plan.tile_parts = 1, max(1, MAX_TILE_BYTES // per_partition)
+        plan.tile_bytes = plan.tile_parts * per_partition
+    return plan
 
 
-def _reduce_group(call, chunk, tile_parts):
+def _reduce_group(call, plan):
     """Sequences whose partition results are reduced together: whole chunks (single sequences where a
     sequence spans several tiles), as many as ``MAX_RESULT_BYTES`` of results hold. Fewer reduces: each
     is a dozen small tensor ops, and on a slow host those cost more than the tile's matmuls."""
-    if tile_parts < call.max_num_partitions:
-        chunk = 1
-    per_chunk = chunk * call.num_heads * call.max_num_partitions * (call.head_size + 2) * 4
+    chunk = 1 if plan.tile_parts < plan.partitions else plan.chunk
+    per_chunk = chunk * call.num_heads * plan.partitions * (call.head_size + 2) * 4
     return min(chunk * max(1, MAX_RESULT_BYTES // per_chunk), call.num_seqs)
 
 
@@ -172,11 +194,12 @@ def peak_extra_bytes(call):
     """Upper bound of the memory ``forward(call)`` allocates besides its arguments (a tile, a reduce group's
     partition results and reduce temporaries, per-call tensors)."""
     mixed = _bmm_float32_out(call.query.device, call.query.dtype)
-    columns, chunk, tile_parts, tile_bytes = _plan(call, mixed)
-    heads, partitions, head_size = call.num_heads, max(call.max_num_partitions, 1), call.head_size
+    plan = _plan(call, mixed)
+    heads, partitions, head_size = call.num_heads, plan.partitions, call.head_size
+    columns, chunk = plan.columns, plan.chunk
     # per reduced sequence: results (head_size + 2 floats) and as much again in temporaries per partition,
     # two [head_size] sums; plus one tile's results before they are copied into the group's
-    reduced = _reduce_group(call, chunk, tile_parts)
+    reduced = _reduce_group(call, plan)
     chunk_bytes = (reduced * heads * (partitions * (head_size * 8 + 24) + head_size * 8)
                    + chunk * heads * partitions * (head_size + 2) * 4)
     table_columns = call.block_tables.shape[1]
@@ -184,7 +207,7 @@ def peak_extra_bytes(call):
     call_bytes = (call.num_seqs * (table_columns * 20 + partitions * (columns * 4 + 2) + 64
                                    + columns * (call.block_size + 8) + call.block_size + heads * head_size * 4)
                   + 8 * (table_columns + partitions + columns * call.block_size) + 4096)
-    return tile_bytes + chunk_bytes + call_bytes
+    return plan.tile_bytes + chunk_bytes + call_bytes
 
 
 def _caches(call):
@@ -298,10 +321,11 @@ class _CallIndex:
     __slots__ = ("lens", "block_ids", "last_block", "written", "bad", "numbers")
 
 
-def _index(call, columns):
-    """The call's ``_CallIndex`` (see module docstring for what makes a sequence bad)."""
+def _index(call, partitions, columns):
+    """The call's ``_CallIndex`` for ``partitions`` of ``columns`` table columns per sequence (see module
+    docstring for what makes a sequence bad)."""
     device = call.query.device
-    partitions, block_size = call.max_num_partitions, call.block_size
+    block_size = call.block_size
     tables = call.block_tables
     table_columns = tables.shape[1]
     index = _CallIndex()
@@ -340,7 +364,7 @@ def _boundary(call, index, seqs, parts, columns, chunk):
     last_block = index.last_block[seqs].clamp(parts.start * columns, parts.stop * columns - 1)
     last_part = torch.div(last_block, columns, rounding_mode="floor")
     valid = torch.sub(lens, last_part, alpha=width)  # tokens of that partition in the sequence
-    tile_seq = numbers[:num_seqs] if chunk is None else numbers[:num_seqs] % chunk
+    tile_seq = numbers[:num_seqs] if chunk is None or chunk >= num_seqs else numbers[:num_seqs] % chunk
     past_end = numbers[:width] >= valid[:, None]
     part_pos = torch.add(last_part - parts.start, tile_seq, alpha=num_parts)
     block_in_part = last_block % columns
@@ -396,8 +420,12 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
             keep = ((key_blocks + _head_offsets(call, device)) % sparse.vert_stride == 0) \
                 | (key_blocks > query_blocks - sparse.local_blocks)
             logits = torch.where(keep, logits, -FLT_MAX)
-    by_part = logits.view(kv_heads, num_seqs * num_parts, group, width)
-    by_part.index_copy_(1, part_pos, by_part.index_select(1, part_pos).masked_fill_(past_end[:, None], -math.inf))
+    if num_parts == 1:  # each sequence's partition here is the one its boundary was clamped into
+        logits.view(kv_heads, num_seqs, group, width).masked_fill_(past_end[:, None], -math.inf)
+    else:
+        by_part = logits.view(kv_heads, num_seqs * num_parts, group, width)
+        by_part.index_copy_(1, part_pos, by_part.index_select(1, part_pos).masked_fill_(past_end[:, None], -math.inf))
+        del by_part
 
     # Otherwise the scale is folded in: max(scale * qk) = scale * max(qk) for scale > 0, and
     # exp(scale * qk - max) is one add and one exp over the tile, both in place.
@@ -406,7 +434,7 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
     total = weights.sum(dim=-1)
     probs = torch.empty(weights.shape, dtype=call.query.dtype, device=device)
     torch.mul(weights, (total + 1e-6).reciprocal_()[..., None], out=probs)  # vLLM rounds p to the query dtype
-    del logits, by_part, weights  # (views of the float32 logits)
+    del logits, weights  # (views of the float32 logits)
     if keep is not None:  # skipped tokens count in the sum but their V is never read
         probs.masked_fill_(~keep, 0)
 
@@ -426,7 +454,7 @@ def _by_kv_head(tensor, kv_heads):
 
 def _reduce(call, index, seqs, top, total, outputs):
     """Write one chunk's partition results (``_tile``'s layout): v2's per-partition outputs, then ``out``."""
-    kv_heads, partitions = call.num_kv_heads, call.max_num_partitions
+    kv_heads, partitions = call.num_kv_heads, top.shape[2]
     written = index.written[seqs]
     seq_written, seq_bad = written[:, :, None], index.bad[seqs][:, None, None]  # against [kv, seqs, parts, G]
     if call.is_v2:
@@ -464,17 +492,18 @@ def _write_unread(call, index):
 
 def forward(call):
     """Run one validated decode call (``contract.DecodeCall``), writing its outputs in place."""
-    num_seqs, partitions = call.num_seqs, call.max_num_partitions
+    num_seqs = call.num_seqs
     if num_seqs == 0:
         return
-    if partitions == 0 or call.num_blocks == 0:  # nothing can be read: zeros, NaN for bad sequences
-        _write_unread(call, _index(call, _columns(call)))
+    if call.max_num_partitions == 0 or call.num_blocks == 0:  # nothing can be read: zeros, NaN for bad sequences
+        _write_unread(call, _index(call, call.max_num_partitions, PARTITION_SIZE // call.block_size))
         return
     compute_dtype = call.query.dtype
     mixed = _bmm_float32_out(call.query.device, compute_dtype)
-    columns, chunk, tile_parts, _ = _plan(call, mixed)
+    plan = _plan(call, mixed)
+    partitions, columns, chunk, tile_parts = plan.partitions, plan.columns, plan.chunk, plan.tile_parts
     matmul_dtype = compute_dtype if mixed else torch.float32  # float32 where bmm cannot take half inputs
-    index = _index(call, columns)
+    index = _index(call, partitions, columns)
 
     scaled_tables = (None, None)
     if call.kv_cache_dtype != "auto":
@@ -485,7 +514,7 @@ def forward(call):
     sources = (_Source(key_cache, _KEY_ORDER, _KEY_WORD_BYTES), _Source(value_cache, _VALUE_ORDER, _VALUE_WORD_BYTES))
     kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
     queries = call.query.unflatten(1, (kv_heads, group)).transpose(0, 1).to(matmul_dtype)
-    reduced = _reduce_group(call, chunk, tile_parts)
+    reduced = _reduce_group(call, plan)
     boundaries = []
 
     def tile_boundary(seqs, parts):

@@ -150,45 +150,73 @@ def test_blocksparse_matches_reference(sparse, device):
 
 _TILED_CASE = dict(dtype=torch.float32, head_size=64, block_size=16, num_heads=4, num_kv_heads=2,
                    seq_lens=[1, 513, 1600, 40, 0], alibi=True, poison=True)
-_CHUNK_RESULT_BYTES = 2 * 4 * 4 * 66 * 4  # 2 sequences x 4 heads x 4 partitions x (64 + 2) float32 results
 
 
-def _bytes_per_sequence(inputs, device):
-    """One sequence's share of the default tile (which holds all five)."""
-    on_device = golden.to_device(inputs, device)
-    call = contract.check_call(torch.empty_like(on_device["query"]), *golden.op_arguments(on_device))
-    _, chunk, _, tile_bytes = paged_attention_torch._plan(call, paged_attention_torch._bmm_float32_out(
-        call.query.device, call.query.dtype))
-    assert chunk == 5
-    return tile_bytes // 5
+def _tiled_call(inputs, version, device):
+    buffers = golden.nan_buffers(golden.to_device(inputs, device), version, device)
+    partition_buffers = {name: buffers[name] for name in ("exp_sums", "max_logits", "tmp_out") if name in buffers}
+    return contract.check_call(buffers["out"], *golden.op_arguments(golden.to_device(inputs, device)),
+                               **partition_buffers)
 
 
-@pytest.mark.parametrize("tile_sequences,result_bytes,reduces", [
-    (0, None, 1),                           # each sequence in tiles of one partition, all reduced together
-    (0, 1, 5),                              # each sequence in tiles of one partition, reduced alone
-    (0, _CHUNK_RESULT_BYTES, 3),            # each sequence in tiles of one partition, reduced two at a time
-    (2, None, 1),                           # chunks of 2 sequences, all reduced together
-    (2, 1, 3),                              # chunks of 2 sequences, each reduced alone
-    (2, 2 * _CHUNK_RESULT_BYTES, 2),        # chunks of 2 sequences, reduced two chunks at a time
+def _plan_of(call):
+    return paged_attention_torch._plan(call, paged_attention_torch._bmm_float32_out(call.query.device,
+                                                                                   call.query.dtype))
+
+
+@pytest.mark.parametrize("tile_sequences,result_sequences,reduces", [
+    (0, None, 1),  # each sequence in tiles of one partition, all reduced together
+    (0, 1, 5),     # each sequence in tiles of one partition, reduced alone
+    (0, 2, 3),     # each sequence in tiles of one partition, reduced two at a time
+    (2, None, 1),  # chunks of 2 sequences, all reduced together
+    (2, 1, 3),     # chunks of 2 sequences, each reduced alone
+    (2, 4, 2),     # chunks of 2 sequences, reduced two chunks at a time
 ], ids=["one-partition-tiles", "one-partition-tiles-reduce-each", "one-partition-tiles-reduce-pairs",
         "two-sequence-chunks", "reduce-per-chunk", "reduce-two-chunks"])
-def test_small_tiles_give_the_same_result(tile_sequences, result_bytes, reduces, monkeypatch, device):
+@pytest.mark.parametrize("version", golden.VERSIONS)
+def test_small_tiles_give_the_same_result(tile_sequences, result_sequences, reduces, version, monkeypatch, device):
+    """Tiles and reduce groups cut smaller than the default (one tile, one reduce) change no value. v1 makes a
+    sequence one partition where it fits a tile (as vLLM's v1 kernel does) and falls back to v2's 512-token
+    partitions where it does not, so its partition tiles are checked against v2's ``out``."""
     inputs = golden.random_case(**_TILED_CASE)
-    expected = golden.run_op(BACKEND, inputs, "v2", device)
+    default_plan = _plan_of(_tiled_call(inputs, version, device))
+    assert default_plan.chunk == 5 and default_plan.partitions == (4 if version == "v2" else 1)
+    expected = golden.run_op(BACKEND, inputs, "v2" if tile_sequences == 0 else version, device)
     monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES",
-                        max(1, tile_sequences * _bytes_per_sequence(inputs, device) + 1))
-    if result_bytes is not None:
-        monkeypatch.setattr(paged_attention_torch, "MAX_RESULT_BYTES", result_bytes)
+                        max(1, tile_sequences * default_plan.tile_bytes // 5 + 1))
+    plan = _plan_of(_tiled_call(inputs, version, device))
+    assert (plan.chunk, plan.partitions, plan.tile_parts) == ((1, 4, 1) if tile_sequences == 0
+                                                             else (2, default_plan.partitions, plan.partitions))
+    if result_sequences is not None:
+        monkeypatch.setattr(paged_attention_torch, "MAX_RESULT_BYTES",
+                            result_sequences * 4 * plan.partitions * (64 + 2) * 4)
     reduce_calls = []
     reduce = paged_attention_torch._reduce
     monkeypatch.setattr(paged_attention_torch, "_reduce", lambda *args: reduce_calls.append(1) or reduce(*args))
-    for version in golden.VERSIONS:
-        reduce_calls.clear()
-        actual = golden.run_op(BACKEND, inputs, version, device)
-        assert len(reduce_calls) == reduces
-        for name, tensor in actual.items():
-            assert torch.allclose(tensor.nan_to_num(), expected[name].nan_to_num(), rtol=1e-6, atol=1e-6), name
-            assert torch.equal(tensor.isnan(), expected[name].isnan()), name
+    actual = golden.run_op(BACKEND, inputs, version, device)
+    assert len(reduce_calls) == reduces
+    for name, tensor in actual.items():
+        assert torch.allclose(tensor.nan_to_num(), expected[name].nan_to_num(), rtol=1e-6, atol=1e-6), name
+        assert torch.equal(tensor.isnan(), expected[name].isnan()), name
+
+
+def test_v1_is_one_partition_per_sequence_like_vllms_v1():
+    """vLLM's v1 kernel takes one softmax over the whole sequence and rounds its p to the query dtype; the
+    backend's v1 does too where a sequence fits a tile (and so needs no partition reduce). In bfloat16 that
+    rounding tells them apart: v1 matches a one-softmax float64 model to float32 accuracy, while v2's
+    reduce over 4 partitions, each rounding its own p, lands 1.5e-5 away (measured on this case)."""
+    inputs = golden.random_case(torch.bfloat16, 64, 16, 4, 2, [1600])
+    v1 = golden.run_op(BACKEND, inputs, "v1", "cpu")["out"].double()
+    v2 = golden.run_op(BACKEND, inputs, "v2", "cpu")["out"].double()
+    blocks = inputs["block_tables"][0, :100].long()
+    keys = inputs["key_cache"].double()[blocks].permute(1, 0, 3, 2, 4).reshape(2, 1600, 64)
+    values = inputs["value_cache"].double()[blocks].permute(1, 0, 3, 2).reshape(2, 1600, 64)
+    logits = inputs["scale"] * inputs["query"].double()[0].view(2, 2, 64) @ keys.transpose(1, 2)
+    weights = (logits - logits.amax(-1, keepdim=True)).exp()
+    probs = (weights / (weights.sum(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).double()
+    one_softmax = (probs @ values).view(1, 4, 64).to(torch.bfloat16).double()
+    assert (v1 - one_softmax).abs().max() < 1e-7
+    assert (v2 - one_softmax).abs().max() > 5e-6
 
 
 # --- bad tables: NaN for the sequence concerned, never an out-of-bounds access; or a ValueError ---
@@ -279,23 +307,26 @@ def test_word_dtype_falls_back_where_16_byte_copies_change_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("kv_cache_dtype,mixed", [("auto", True), ("auto", False), ("fp8_e4m3", False)])
-def test_planned_tiles_respect_the_byte_budget(kv_cache_dtype, mixed):
+@pytest.mark.parametrize("version", golden.VERSIONS)
+def test_planned_tiles_respect_the_byte_budget(kv_cache_dtype, mixed, version):
     def plan(max_seq_len):
         call = contract.DecodeCall(query=torch.empty(64, 32, 128, dtype=torch.float16), kv_cache_dtype=kv_cache_dtype,
                                    num_kv_heads=8, num_heads=32, head_size=128, block_size=16, max_seq_len=max_seq_len,
                                    max_num_partitions=-(-max_seq_len // 512), num_seqs=64, alibi_slopes=None,
-                                   blocksparse=None, scale=0.125)
-        columns, chunk, parts, tile_bytes = paged_attention_torch._plan(call, mixed)
-        tokens = chunk * parts * columns * 16
-        assert tokens * paged_attention_torch._bytes_per_token(call, mixed) < tile_bytes
-        return columns, chunk, parts, tile_bytes
+                                   blocksparse=None, scale=0.125, exp_sums=object() if version == "v2" else None)
+        planned = paged_attention_torch._plan(call, mixed)
+        tokens = planned.chunk * planned.tile_parts * planned.columns * 16
+        assert tokens * paged_attention_torch._bytes_per_token(call, mixed) < planned.tile_bytes
+        assert planned.tile_bytes <= paged_attention_torch.MAX_TILE_BYTES
+        return planned
 
-    columns, chunk, parts, tile_bytes = plan(8192)
-    assert (columns, parts) == (32, 16) and chunk >= (2 if mixed else 1) and tile_bytes <= paged_attention_torch.MAX_TILE_BYTES
-    columns, chunk, parts, tile_bytes = plan(1 << 20)  # one sequence is over budget: tiles of partitions
-    assert (columns, chunk) == (32, 1) and 1 <= parts < 2048 and tile_bytes <= paged_attention_torch.MAX_TILE_BYTES
-    columns, chunk, parts, tile_bytes = plan(40)  # one partition: only the blocks max_seq_len needs
-    assert (columns, parts) == (3, 1)
+    planned = plan(8192)  # v2: vLLM's 16 partitions; v1: one partition of the whole sequence
+    assert (planned.columns, planned.partitions) == ((32, 16) if version == "v2" else (512, 1))
+    assert planned.tile_parts == planned.partitions and planned.chunk >= (2 if mixed else 1)
+    planned = plan(1 << 20)  # one sequence is over budget: tiles of 512-token partitions, v1 too
+    assert (planned.columns, planned.partitions, planned.chunk) == (32, 2048, 1) and 1 <= planned.tile_parts < 2048
+    planned = plan(40)  # one partition: only the blocks max_seq_len needs
+    assert (planned.columns, planned.partitions) == (3, 1)
 
 
 def test_nan_tolerance_of_unwritten_partitions_is_checked():
