@@ -40,7 +40,8 @@ def load_baseline(directory):
     """The ``paged_attention_torch`` module of the ``kernels`` package under ``directory``, as its own package."""
     init = os.path.join(directory, "kernels", "__init__.py")
     if not os.path.isfile(init):
-        sys.exit(f"--baseline: {directory!r} holds no kernels/__init__.py (git archive <commit> kernels | tar -x -C DIR)")
+        sys.exit(f"--baseline: {directory!r} holds no kernels/__init__.py "
+                 "(git archive <commit> kernels | tar -x -C DIR)")
     spec = importlib.util.spec_from_file_location("baseline_kernels", init,
                                                   submodule_search_locations=[os.path.dirname(init)])
     package = importlib.util.module_from_spec(spec)
@@ -136,9 +137,10 @@ def main():
                            "host_us": statistics.median(host for _, host in timings)}
         entry["event_speedup"] = entry["baseline"]["event_us"] / entry["checkout"]["event_us"]
         entry["host_speedup"] = entry["baseline"]["host_us"] / entry["checkout"]["host_us"]
-        print(f"{entry['row']:30s} event {entry['baseline']['event_us']:8.1f} -> {entry['checkout']['event_us']:8.1f} us "
-              f"({entry['event_speedup']:.2f}x)  host {entry['baseline']['host_us']:8.1f} -> "
-              f"{entry['checkout']['host_us']:8.1f} us ({entry['host_speedup']:.2f}x)", flush=True)
+        before, after = entry["baseline"], entry["checkout"]
+        print(f"{entry['row']:30s} event {before['event_us']:8.1f} -> {after['event_us']:8.1f} us "
+              f"({entry['event_speedup']:.2f}x)  host {before['host_us']:8.1f} -> {after['host_us']:8.1f} us "
+              f"({entry['host_speedup']:.2f}x)", flush=True)
         results.append(entry)
         del call, outputs
         torch.cuda.empty_cache()

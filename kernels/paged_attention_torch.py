@@ -4,11 +4,9 @@ The fallback where Triton is not viable, and the CPU path. ``forward(call)`` tak
 ``contract.DecodeCall`` and writes ``out`` (v1) or ``out``, ``max_logits``, ``exp_sums`` and
 ``tmp_out`` (v2) in place.
 
-How it works. Work is split into tiles of (a chunk of sequences) x (a run of partitions);
-within a tile everything is batched over KV heads, sequences, partitions and the query heads of a
-group (no Python loop per token or partition). v2's partitions are vLLM's 512 tokens; v1 takes
-each sequence as one partition, as vLLM's v1 kernel does (one softmax over the sequence, p rounded
-once), unless one sequence is over a tile, where it falls back to v2's partitions. Per tile::
+How it works. Work is split into tiles of (a chunk of sequences) x (a run of 512-token
+partitions); within a tile everything is batched over KV heads, sequences, partitions and the
+query heads of a group (no Python loop per token or partition). Per tile::
 
     K       one gather through the block table, into the layout the matmul reads without a copy:
             [kv_heads, blocks, block_size, head_size] (a [tokens, head_size] matrix per partition);
@@ -16,7 +14,8 @@ once), unless one sequence is over a tile, where it falls back to v2's partition
     logits  bmm(q group [G, D], K^T) -> float32 q.k (* scale, + ALiBi, block-sparse -FLT_MAX);
             the gathered K is freed here
     softmax per partition: max, exp(scale * qk - max) in place, sum, p = exp / (sum + 1e-6)
-            rounded to the query dtype (vLLM's rounding)
+            rounded to the query dtype (vLLM's rounding); v1, where a tile holds whole sequences:
+            one softmax over all of a sequence's partitions, as vLLM's v1 kernel takes
     V       one gather, as [head_size, kv_heads, blocks, block_size] (V^T per partition, tokens
             contiguous as in the cache), then bmm(p, V) accumulated in float32: the normalised
             partition output
@@ -26,28 +25,29 @@ sequence spans several tiles, as many sequences), the partitions are reduced int
 vLLM's rescaling (``w_p = exp_sum_p * exp(max_p - max)``,
 ``out = sum_p tmp_out_p * w_p / (sum_p w_p + 1e-6)``, a single partition copied). v2 writes its
 three per-partition outputs only for partitions ``p < ceil(seq_len / 512)`` and reduces from the
-``tmp_out`` values it wrote (query dtype, like vLLM's reduce kernel); v1's one partition is copied
-(where it falls back to partitions, it reduces from their float32 outputs). seq_len 0 gives
-zeros. Per-call tensors (lengths, clamped block ids, written partitions, bad sequences, the
-boundary positions of tiles of whole sequences, the query in the matmul layout) are built once.
+``tmp_out`` values it wrote (query dtype, like vLLM's reduce kernel). v1's partitions, sharing one
+softmax, are summed (where a sequence spans tiles, v1 reduces their float32 outputs as v2 does).
+seq_len 0 gives zeros. Per-call tensors (lengths, clamped block ids, written partitions, bad
+sequences, the boundary positions of tiles of whole sequences, the query in the matmul layout) are
+built once.
 Host cost matters as much as bandwidth here: an eager tensor op costs 7-20 us of host time on the
 H200's host, and a 2 GB call takes 2.2-3.0 ms of it against 2.45 ms of GPU time. The plain case
 (no ALiBi, no block sparsity, scale > 0, kv_cache_dtype "auto", fp16, float32 matmul path) makes
-154 torch calls (views and tensor properties included; 104 at the top level of ATen) for a v1 call
-of 8 sequences in one tile, whatever their length (170 and 123 at 2048 tokens while v1 reduced
-512-token partitions), 201-218 for v2; about 60 more per extra tile of whole sequences and about
-100 per tile where a sequence spans several (its boundary is found per tile).
+152 torch calls (views and tensor properties included; 102-103 at the top level of ATen) for a v1
+call of 8 sequences of 512 or 2048 tokens in one tile (155 and 170 while v1 reduced its partitions),
+199-217 for v2; about 60 more per extra tile of whole sequences and about 100 per tile where a
+sequence spans several (its boundary is found per tile).
 
 Masking. Slots past a sequence's end and blocks it does not use may hold anything, NaN included.
 Only the partition holding a sequence's last token mixes used and unused slots, so only it is
 masked: its logits are set to -inf past the end (in place where a tile has one partition per
 sequence, else picked per sequence with ``index_select`` and put back); of V, the block holding the
 last token is picked and zeroed past the end, the blocks after it in that partition are zeroed
-whole (``index_fill_``, in words) and the picked block is put back (0 * NaN would be NaN). In v1's
-one partition that is every block up to ``max_seq_len``: a short sequence in a batch of long ones
-pays a 16-byte store per word of V it does not use. Partitions wholly past the end are computed on
-whatever their clamped block ids hold and then discarded (``torch.where`` / ``masked_fill``, never
-a multiply).
+whole (``index_fill_``, in words) and the picked block is put back (0 * NaN would be NaN).
+Partitions wholly past the end are computed on whatever their clamped block ids hold and then
+discarded (``torch.where`` / ``masked_fill``, never a multiply). v1's one softmax per sequence
+needs their logits too: there every slot past the end is set to -inf, in place, one pass over the
+tile's logits.
 
 Memory traffic (what the speed rests on). The gather moves whole stored runs: where the matmuls take
 the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as words and
@@ -55,10 +55,10 @@ permuted: K in 16-byte words (its ``x`` runs; complex128 where the device copies
 V in 8-byte ones (pieces of its block rows), never element by element; elsewhere the blocks are
 picked as stored (whole blocks) and permuted by the copy that converts them to float32. Each K and V
 byte is thus read by the gather, written once in the matmul layout and read once by the matmul (plus
-the float32 copy without ``mixed``). Masking touches one partition of logits and one block of V per
-sequence (plus the unused blocks after it). The float32 logits take a few passes (bmm, max, scaled
-subtract, exp, sum, the rounded probabilities), each about ``2 * G / (head_size * element_size)`` of
-the K+V bytes (1/32 for fp16, G = 4, head 128).
+the float32 copy without ``mixed``). Masking touches one partition of logits (v1's one softmax: all
+of them, once) and one block of V per sequence (plus the unused blocks after it). The float32
+logits take a few passes (bmm, max, scaled subtract, exp, sum, the rounded probabilities), each
+about ``2 * G / (head_size * element_size)`` of the K+V bytes (1/32 for fp16, G = 4, head 128).
 
 Matmul precision. Where ``torch.bmm`` takes ``out_dtype`` for the device (CUDA on recent torch)
 the gathered cache stays in its dtype and the products accumulate and come out in float32;
@@ -148,29 +148,25 @@ def _partition_overhead(call, mixed):
 class _Plan:
     """How ``forward`` cuts a call into tiles.
 
-    partitions   partitions per sequence: vLLM's 512-token ones for v2 (it writes their results); for v1
-                 one per sequence, as vLLM's v1 kernel computes it (one softmax and no partition reduce:
-                 17 fewer tensor ops a call), unless one sequence would not fit a tile
+    partitions   512-token partitions per sequence (one of max_seq_len's blocks where it is shorter)
     columns      block-table columns per partition
     chunk        sequences per tile
     tile_parts   partitions per tile (fewer than ``partitions`` where one sequence is over a tile)
     tile_bytes   bytes one tile may use
+    joint        one softmax over all of a sequence's partitions, as vLLM's v1 kernel computes it (v1,
+                 where a tile holds whole sequences): the partition outputs are then summed, not reduced
     """
 
-    __slots__ = ("partitions", "columns", "chunk", "tile_parts", "tile_bytes")
+    __slots__ = ("partitions", "columns", "chunk", "tile_parts", "tile_bytes", "joint")
 
 
 def _plan(call, mixed):
     """The call's ``_Plan``."""
     plan = _Plan()
-    whole_columns = (call.max_seq_len + call.block_size - 1) // call.block_size
-    fixed_columns = PARTITION_SIZE // call.block_size
-    per_token, overhead = call.block_size * _bytes_per_token(call, mixed), _partition_overhead(call, mixed)
-    if call.max_num_partitions <= 1 or (not call.is_v2 and whole_columns * per_token + overhead <= MAX_TILE_BYTES):
-        plan.partitions, plan.columns = 1, whole_columns
-    else:
-        plan.partitions, plan.columns = call.max_num_partitions, fixed_columns
-    per_partition = plan.columns * per_token + overhead
+    plan.partitions = max(call.max_num_partitions, 1)
+    plan.columns = (PARTITION_SIZE if call.max_num_partitions > 1 else call.max_seq_len + call.block_size - 1) \
+        // call.block_size
+    per_partition = plan.columns * call.block_size * _bytes_per_token(call, mixed) + _partition_overhead(call, mixed)
     per_sequence = per_partition * plan.partitions
     if per_sequence <= MAX_TILE_BYTES:
         plan.chunk = min(max(call.num_seqs, 1), MAX_TILE_BYTES // per_sequence)
@@ -178,6 +174,7 @@ def _plan(call, mixed):
     else:
         plan.chunk, plan.tile_parts = 1, max(1, MAX_TILE_BYTES // per_partition)
         plan.tile_bytes = plan.tile_parts * per_partition
+    plan.joint = not call.is_v2 and plan.tile_parts == plan.partitions
     return plan
 
 
@@ -205,8 +202,9 @@ def peak_extra_bytes(call):
     table_columns = call.block_tables.shape[1]
     # index tensors, the boundary (past_end, slot masks, blocks_from_last) and the query in the matmul dtype
     call_bytes = (call.num_seqs * (table_columns * 20 + partitions * (columns * 4 + 2) + 64
-                                   + columns * (call.block_size + 8) + call.block_size + heads * head_size * 4)
-                  + 8 * (table_columns + partitions + columns * call.block_size) + 4096)
+                                   + columns * (call.block_size * (partitions if plan.joint else 1) + 8)
+                                   + call.block_size + heads * head_size * 4)
+                  + 8 * (table_columns + partitions + partitions * columns * call.block_size) + 4096)
     return plan.tile_bytes + chunk_bytes + call_bytes
 
 
@@ -332,7 +330,8 @@ def _index(call, partitions, columns):
     lens = index.lens = call.seq_lens.long()
     last_block = index.last_block = torch.div(lens - 1, block_size, rounding_mode="floor")
     index.written = torch.arange(0, partitions * columns, max(columns, 1), device=device) <= last_block[:, None]
-    numbers = index.numbers = torch.arange(max(call.num_seqs, columns * block_size, table_columns), device=device)
+    numbers = index.numbers = torch.arange(max(call.num_seqs, partitions * columns * block_size, table_columns),
+                                           device=device)
 
     # Negative, over max_seq_len, or needing more blocks than the table has columns.
     bad = lens.clamp(0, min(call.max_seq_len, table_columns * block_size)) != lens
@@ -347,11 +346,12 @@ def _index(call, partitions, columns):
     return index
 
 
-def _boundary(call, index, seqs, parts, columns, chunk):
+def _boundary(call, index, seqs, parts, columns, chunk, joint=False):
     """Where each of ``seqs``' last token lies in its tile of partitions ``parts``, as tile-local positions,
     one tuple per tile of ``chunk`` sequences (a tile of one sequence where ``chunk`` is None):
 
-        past_end [seqs, width]            its partition's tokens past the end
+        past_end [seqs, width]            its partition's tokens past the end (``joint``: every token of the
+                                          tile past the end, [seqs, partitions * width])
         part_pos, block_pos [seqs]        that partition and its block among the tile's
         slot_past_end [seqs, block_size]  that block's slots past the end
         blocks_from_last [seqs * columns] that block and the ones after it in the partition
@@ -365,7 +365,7 @@ def _boundary(call, index, seqs, parts, columns, chunk):
     last_part = torch.div(last_block, columns, rounding_mode="floor")
     valid = torch.sub(lens, last_part, alpha=width)  # tokens of that partition in the sequence
     tile_seq = numbers[:num_seqs] if chunk is None or chunk >= num_seqs else numbers[:num_seqs] % chunk
-    past_end = numbers[:width] >= valid[:, None]
+    past_end = numbers[:num_parts * width] >= lens[:, None] if joint else numbers[:width] >= valid[:, None]
     part_pos = torch.add(last_part - parts.start, tile_seq, alpha=num_parts)
     block_in_part = last_block % columns
     block_pos = torch.add(block_in_part, part_pos, alpha=columns)
@@ -378,13 +378,15 @@ def _boundary(call, index, seqs, parts, columns, chunk):
                     blocks_from_last.split(chunk * columns)))
 
 
-def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, queries, tile_boundary):
-    """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``. ``sources``: the
+def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, queries, tile_boundary, joint):
+    """Per-partition (max, exp_sum, normalised float32 output) of ``seqs`` x ``parts``; with ``joint`` one
+    softmax spans each sequence's partitions (max and exp_sum are then the sequence's). ``sources``: the
     caches' ``_Source`` pair; ``queries``: the call's query as [kv_heads, seqs, group, head_size] in the
     matmul dtype; ``tile_boundary()``: the tile's entry of ``_boundary``, asked for once K's gather is
     queued, so that the device gathers while the host builds it.
 
-    Returns tensors shaped [kv_heads, chunk, tile_partitions, group] (x head_size for the output).
+    Returns tensors shaped [kv_heads, chunk, tile_partitions, group] (x head_size for the output; the
+    statistics of a ``joint`` softmax are the sequence's, [kv_heads, chunk, 1, group]).
     """
     device = call.query.device
     kv_heads, group, head_size = call.num_kv_heads, call.queries_per_kv, call.head_size
@@ -420,8 +422,8 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
             keep = ((key_blocks + _head_offsets(call, device)) % sparse.vert_stride == 0) \
                 | (key_blocks > query_blocks - sparse.local_blocks)
             logits = torch.where(keep, logits, -FLT_MAX)
-    if num_parts == 1:  # each sequence's partition here is the one its boundary was clamped into
-        logits.view(kv_heads, num_seqs, group, width).masked_fill_(past_end[:, None], -math.inf)
+    if joint or num_parts == 1:  # every slot past the end, or the one partition the boundary was clamped into
+        logits.masked_fill_(past_end.view(num_seqs, num_parts, 1, width), -math.inf)
     else:
         by_part = logits.view(kv_heads, num_seqs * num_parts, group, width)
         by_part.index_copy_(1, part_pos, by_part.index_select(1, part_pos).masked_fill_(past_end[:, None], -math.inf))
@@ -429,11 +431,12 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
 
     # Otherwise the scale is folded in: max(scale * qk) = scale * max(qk) for scale > 0, and
     # exp(scale * qk - max) is one add and one exp over the tile, both in place.
-    top = logits.amax(dim=-1).mul_(scale)
-    weights = torch.add(-top[..., None], logits, alpha=scale, out=logits).exp_()
-    total = weights.sum(dim=-1)
+    over = (2, 4) if joint else (4,)  # the softmax's tokens: the sequence's, or the partition's
+    top = logits.amax(dim=over, keepdim=True).mul_(scale)
+    weights = torch.add(-top, logits, alpha=scale, out=logits).exp_()
+    total = weights.sum(dim=over, keepdim=True)
     probs = torch.empty(weights.shape, dtype=call.query.dtype, device=device)
-    torch.mul(weights, (total + 1e-6).reciprocal_()[..., None], out=probs)  # vLLM rounds p to the query dtype
+    torch.mul(weights, (total + 1e-6).reciprocal_(), out=probs)  # vLLM rounds p to the query dtype
     del logits, weights  # (views of the float32 logits)
     if keep is not None:  # skipped tokens count in the sum but their V is never read
         probs.masked_fill_(~keep, 0)
@@ -443,7 +446,7 @@ def _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, quer
     _as_words(values, _FILL_WORD_BYTES).index_fill_(2, blocks_from_last, 0)
     values.index_copy_(2, block_pos, boundary_values)
     outputs = _bmm32(probs.view(batch, group, width), values.view(head_size, batch, width).permute(1, 2, 0), mixed)
-    return top, total, outputs.view(kv_heads, num_seqs, num_parts, group, head_size)
+    return top.squeeze(4), total.squeeze(4), outputs.view(kv_heads, num_seqs, num_parts, group, head_size)
 
 
 def _by_kv_head(tensor, kv_heads):
@@ -452,9 +455,10 @@ def _by_kv_head(tensor, kv_heads):
     return tensor.permute(1, 0, 3, 2, *range(4, tensor.dim()))
 
 
-def _reduce(call, index, seqs, top, total, outputs):
-    """Write one chunk's partition results (``_tile``'s layout): v2's per-partition outputs, then ``out``."""
-    kv_heads, partitions = call.num_kv_heads, top.shape[2]
+def _reduce(call, index, seqs, top, total, outputs, joint):
+    """Write one chunk's partition results (``_tile``'s layout): v2's per-partition outputs, then ``out``
+    (``joint``: the partitions share one softmax, so their outputs add up)."""
+    kv_heads, partitions = call.num_kv_heads, outputs.shape[2]
     written = index.written[seqs]
     seq_written, seq_bad = written[:, :, None], index.bad[seqs][:, None, None]  # against [kv, seqs, parts, G]
     if call.is_v2:
@@ -469,6 +473,8 @@ def _reduce(call, index, seqs, top, total, outputs):
 
     if partitions == 1:  # a single partition is copied
         reduced = torch.where(written[:, :1, None], outputs[:, :, 0], 0.0)
+    elif joint:  # partitions past the end hold p = 0 times whatever V their blocks held: left out
+        reduced = torch.where(seq_written[..., None], outputs, 0.0).sum(dim=2)
     else:  # vLLM's reduce: w_p = exp_sum_p * exp(max_p - max), out = sum_p out_p * w_p / (sum_p w_p + 1e-6)
         best = torch.where(seq_written, top, -math.inf).amax(dim=2, keepdim=True)
         rescaled = torch.where(seq_written, total * torch.exp(top - best), 0.0)
@@ -502,6 +508,7 @@ def forward(call):
     mixed = _bmm_float32_out(call.query.device, compute_dtype)
     plan = _plan(call, mixed)
     partitions, columns, chunk, tile_parts = plan.partitions, plan.columns, plan.chunk, plan.tile_parts
+    joint = plan.joint
     matmul_dtype = compute_dtype if mixed else torch.float32  # float32 where bmm cannot take half inputs
     index = _index(call, partitions, columns)
 
@@ -521,7 +528,7 @@ def forward(call):
         if tile_parts < partitions:  # a sequence over several tiles: each tile's own
             return _boundary(call, index, seqs, parts, columns, None)[0]
         if not boundaries:  # tiles of whole sequences: all tiles' at once, at the first tile
-            boundaries.extend(_boundary(call, index, slice(0, num_seqs), slice(0, partitions), columns, chunk))
+            boundaries.extend(_boundary(call, index, slice(0, num_seqs), slice(0, partitions), columns, chunk, joint))
         return boundaries[seqs.start // chunk]
 
     buffers = None
@@ -535,7 +542,7 @@ def forward(call):
         if buffers is None:
             seqs, parts = slice(group_start, group_stop), slice(0, partitions)
             results = _tile(call, sources, index, seqs, parts, columns, mixed, scaled_tables, queries,
-                            functools.partial(tile_boundary, seqs, parts))
+                            functools.partial(tile_boundary, seqs, parts), joint)
         else:
             results = tuple(buffer[:, :group_stop - group_start] for buffer in buffers)
             for start in range(group_start, group_stop, chunk):
@@ -545,6 +552,7 @@ def forward(call):
                     parts = slice(first, min(first + tile_parts, partitions))
                     for result, tile_result in zip(results, _tile(call, sources, index, seqs, parts, columns, mixed,
                                                                    scaled_tables, queries,
-                                                                   functools.partial(tile_boundary, seqs, parts))):
+                                                                   functools.partial(tile_boundary, seqs, parts),
+                                                                   joint)):
                         result[:, rows, parts] = tile_result
-        _reduce(call, index, slice(group_start, group_stop), *results)
+        _reduce(call, index, slice(group_start, group_stop), *results, joint)

@@ -175,18 +175,18 @@ def _plan_of(call):
         "two-sequence-chunks", "reduce-per-chunk", "reduce-two-chunks"])
 @pytest.mark.parametrize("version", golden.VERSIONS)
 def test_small_tiles_give_the_same_result(tile_sequences, result_sequences, reduces, version, monkeypatch, device):
-    """Tiles and reduce groups cut smaller than the default (one tile, one reduce) change no value. v1 makes a
-    sequence one partition where it fits a tile (as vLLM's v1 kernel does) and falls back to v2's 512-token
-    partitions where it does not, so its partition tiles are checked against v2's ``out``."""
+    """Tiles and reduce groups cut smaller than the default (one tile, one reduce) change no value. v1 takes
+    one softmax over a sequence's partitions (as vLLM's v1 kernel does) where a tile holds whole sequences;
+    in tiles of single partitions it reduces them as v2 does, so those are checked against v2's ``out``."""
     inputs = golden.random_case(**_TILED_CASE)
     default_plan = _plan_of(_tiled_call(inputs, version, device))
-    assert default_plan.chunk == 5 and default_plan.partitions == (4 if version == "v2" else 1)
+    assert (default_plan.chunk, default_plan.partitions, default_plan.joint) == (5, 4, version == "v1")
     expected = golden.run_op(BACKEND, inputs, "v2" if tile_sequences == 0 else version, device)
     monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES",
                         max(1, tile_sequences * default_plan.tile_bytes // 5 + 1))
     plan = _plan_of(_tiled_call(inputs, version, device))
-    assert (plan.chunk, plan.partitions, plan.tile_parts) == ((1, 4, 1) if tile_sequences == 0
-                                                             else (2, default_plan.partitions, plan.partitions))
+    assert (plan.chunk, plan.tile_parts, plan.joint) == ((1, 1, False) if tile_sequences == 0
+                                                         else (2, 4, version == "v1"))
     if result_sequences is not None:
         monkeypatch.setattr(paged_attention_torch, "MAX_RESULT_BYTES",
                             result_sequences * 4 * plan.partitions * (64 + 2) * 4)
@@ -200,11 +200,11 @@ def test_small_tiles_give_the_same_result(tile_sequences, result_sequences, redu
         assert torch.equal(tensor.isnan(), expected[name].isnan()), name
 
 
-def test_v1_is_one_partition_per_sequence_like_vllms_v1():
+def test_v1_takes_one_softmax_per_sequence_like_vllms_v1():
     """vLLM's v1 kernel takes one softmax over the whole sequence and rounds its p to the query dtype; the
-    backend's v1 does too where a sequence fits a tile (and so needs no partition reduce). In bfloat16 that
-    rounding tells them apart: v1 matches a one-softmax float64 model to float32 accuracy, while v2's
-    reduce over 4 partitions, each rounding its own p, lands 1.5e-5 away (measured on this case)."""
+    backend's v1 does too where a tile holds whole sequences (its partitions' outputs then add up, with no
+    rescaling reduce). In bfloat16 that rounding tells them apart: v1 matches a one-softmax float64 model,
+    while v2's reduce over 4 partitions, each rounding its own p, lands 1.5e-5 away (measured on this case)."""
     inputs = golden.random_case(torch.bfloat16, 64, 16, 4, 2, [1600])
     v1 = golden.run_op(BACKEND, inputs, "v1", "cpu")["out"].double()
     v2 = golden.run_op(BACKEND, inputs, "v2", "cpu")["out"].double()
@@ -320,11 +320,11 @@ def test_planned_tiles_respect_the_byte_budget(kv_cache_dtype, mixed, version):
         assert planned.tile_bytes <= paged_attention_torch.MAX_TILE_BYTES
         return planned
 
-    planned = plan(8192)  # v2: vLLM's 16 partitions; v1: one partition of the whole sequence
-    assert (planned.columns, planned.partitions) == ((32, 16) if version == "v2" else (512, 1))
-    assert planned.tile_parts == planned.partitions and planned.chunk >= (2 if mixed else 1)
-    planned = plan(1 << 20)  # one sequence is over budget: tiles of 512-token partitions, v1 too
-    assert (planned.columns, planned.partitions, planned.chunk) == (32, 2048, 1) and 1 <= planned.tile_parts < 2048
+    planned = plan(8192)  # whole sequences per tile: v1 takes one softmax over each one's 16 partitions
+    assert (planned.columns, planned.partitions, planned.tile_parts) == (32, 16, 16)
+    assert planned.chunk >= (2 if mixed else 1) and planned.joint == (version == "v1")
+    planned = plan(1 << 20)  # one sequence is over budget: tiles of partitions, reduced (v1 too)
+    assert (planned.columns, planned.chunk, planned.joint) == (32, 1, False) and 1 <= planned.tile_parts < 2048
     planned = plan(40)  # one partition: only the blocks max_seq_len needs
     assert (planned.columns, planned.partitions) == (3, 1)
 
