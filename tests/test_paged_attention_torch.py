@@ -153,10 +153,10 @@ _TILED_CASE = dict(dtype=torch.float32, head_size=64, block_size=16, num_heads=4
 
 
 def _tiled_call(inputs, version, device):
-    buffers = golden.nan_buffers(golden.to_device(inputs, device), version, device)
+    on_device = golden.to_device(inputs, device)
+    buffers = golden.nan_buffers(on_device, version, device)
     partition_buffers = {name: buffers[name] for name in ("exp_sums", "max_logits", "tmp_out") if name in buffers}
-    return contract.check_call(buffers["out"], *golden.op_arguments(golden.to_device(inputs, device)),
-                               **partition_buffers)
+    return contract.check_call(buffers["out"], *golden.op_arguments(on_device), **partition_buffers)
 
 
 def _plan_of(call):
