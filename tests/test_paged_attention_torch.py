@@ -3,10 +3,11 @@
 Golden cases: every output of v1 and v2 within 2x vLLM's own error + 1e-5 (tests.golden's rule).
 Random cases (vLLM's test distribution, NaN-poisoned unused slots) over a dtype / cache-format
 tolerance table, then the edges: seq_len 0, strides, scale as float or tensor, block sparsity,
-tiling, and bad tables.
+tiling (fixed cuts and seeded random plans), and bad tables.
 """
 
 import math
+import random
 
 import pytest
 import torch
@@ -217,6 +218,74 @@ def test_v1_takes_one_softmax_per_sequence_like_vllms_v1():
     one_softmax = (probs @ values).view(1, 4, 64).to(torch.bfloat16).double()
     assert (v1 - one_softmax).abs().max() < 1e-7
     assert (v2 - one_softmax).abs().max() > 5e-6
+
+
+# --- random plans: any cut into tiles and reduce groups, on random shapes and options -------------
+
+RANDOM_PLAN_SEEDS = range(24)
+
+
+def _random_plan_case(seed):
+    """One seeded draw: dtype, cache format, shape, lengths (0, 1, partition edges, several partitions),
+    ALiBi, scale (zero and negative included), block sparsity, and the tile and reduce-group budgets
+    (one byte, a few MB or the defaults). Returns (inputs, blocksparse, op keywords, tile bytes, result bytes)."""
+    draw = random.Random(seed)
+    dtype = draw.choice([torch.float32, torch.float16, torch.bfloat16])
+    kv_cache_dtype = draw.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
+    head_size = draw.choice([32, 64, 80, 96, 128, 192] if kv_cache_dtype == "auto" else [32, 64, 96, 128])
+    block_size, num_kv_heads = draw.choice([8, 16, 32]), draw.choice([1, 2, 3])
+    seq_lens = [draw.choice([0, 1, 511, 512, 513, 1024, draw.randint(1, 600), draw.randint(500, 1700)])
+                for _ in range(draw.randint(1, 5))]
+    inputs = golden.random_case(dtype, head_size, block_size, num_kv_heads * draw.choice([1, 2, 4, 8]),
+                                num_kv_heads, seq_lens, seed=seed, alibi=draw.random() < 0.3,
+                                kv_cache_dtype=kv_cache_dtype, poison=True, v_scale=draw.choice([1.0, 2.0]))
+    if draw.random() < 0.2:
+        inputs["scale"] = draw.choice([0.0, -0.1])
+    sparse, keywords = None, {}
+    if draw.random() < 0.2:
+        sparse = dict(local_blocks=draw.randint(0, 3), vert_stride=draw.choice([2, 3, 4]),
+                      block_size=max(block_size, draw.choice([16, 64])), head_sliding_step=draw.choice([-1, 0, 2]),
+                      tp_rank=draw.randint(0, 1))
+        keywords = dict(tp_rank=sparse["tp_rank"], blocksparse_local_blocks=sparse["local_blocks"],
+                        blocksparse_vert_stride=sparse["vert_stride"], blocksparse_block_size=sparse["block_size"],
+                        blocksparse_head_sliding_step=sparse["head_sliding_step"])
+    tile_bytes = draw.choice([paged_attention_torch.MAX_TILE_BYTES, 1, draw.randint(1, 4 << 20)])
+    result_bytes = draw.choice([paged_attention_torch.MAX_RESULT_BYTES, 1, draw.randint(1, 1 << 20)])
+    return inputs, sparse, keywords, tile_bytes, result_bytes
+
+
+@pytest.mark.parametrize("seed", RANDOM_PLAN_SEEDS)
+def test_random_plans_match_reference(seed, monkeypatch, device):
+    inputs, sparse, keywords, tile_bytes, result_bytes = _random_plan_case(seed)
+    monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(paged_attention_torch, "MAX_RESULT_BYTES", result_bytes)
+    ref = reference_attention(**inputs, blocksparse=sparse)
+    for version in golden.VERSIONS:
+        outputs = golden.run_op(BACKEND, inputs, version, device, **keywords)
+        golden.check_against_reference(outputs, ref, golden.random_tolerance(inputs))
+
+
+def test_random_plans_cover_every_kind_of_cut(monkeypatch):
+    """The seeds of ``test_random_plans_match_reference`` reach every way ``_plan`` cuts a call: one tile,
+    tiles of whole sequences (v1's one softmax across them), sequences split over tiles, v2's per-partition
+    softmax, and several reduce groups."""
+    kinds = set()
+    for seed in RANDOM_PLAN_SEEDS:
+        inputs, _, _, tile_bytes, result_bytes = _random_plan_case(seed)
+        if inputs["max_seq_len"] == 0:
+            continue
+        monkeypatch.setattr(paged_attention_torch, "MAX_TILE_BYTES", tile_bytes)
+        monkeypatch.setattr(paged_attention_torch, "MAX_RESULT_BYTES", result_bytes)
+        for version in golden.VERSIONS:
+            call = _tiled_call(inputs, version, "cpu")
+            plan = _plan_of(call)
+            kinds.add("one tile" if plan.chunk >= call.num_seqs and plan.tile_parts == plan.partitions
+                      else "split sequences" if plan.tile_parts < plan.partitions else "chunks")
+            kinds.add(("joint" if plan.joint else "per partition") + (" chunks" if plan.chunk < call.num_seqs else ""))
+            if paged_attention_torch._reduce_group(call, plan) < call.num_seqs:
+                kinds.add("several reduce groups")
+    assert kinds >= {"one tile", "chunks", "split sequences", "joint", "joint chunks", "per partition",
+                     "per partition chunks", "several reduce groups"}, kinds
 
 
 # --- bad tables: NaN for the sequence concerned, never an out-of-bounds access; or a ValueError ---
