@@ -160,12 +160,18 @@ class _Plan:
     __slots__ = ("partitions", "columns", "chunk", "tile_parts", "tile_bytes", "joint")
 
 
+def _columns(call):
+    """Block-table columns per partition: 512 tokens' worth, or for a single partition max_seq_len's."""
+    if call.max_num_partitions > 1:
+        return PARTITION_SIZE // call.block_size
+    return (call.max_seq_len + call.block_size - 1) // call.block_size
+
+
 def _plan(call, mixed):
     """The call's ``_Plan``."""
     plan = _Plan()
     plan.partitions = max(call.max_num_partitions, 1)
-    plan.columns = (PARTITION_SIZE if call.max_num_partitions > 1 else call.max_seq_len + call.block_size - 1) \
-        // call.block_size
+    plan.columns = _columns(call)
     per_partition = plan.columns * call.block_size * _bytes_per_token(call, mixed) + _partition_overhead(call, mixed)
     per_sequence = per_partition * plan.partitions
     if per_sequence <= MAX_TILE_BYTES:
@@ -502,7 +508,7 @@ def forward(call):
     if num_seqs == 0:
         return
     if call.max_num_partitions == 0 or call.num_blocks == 0:  # nothing can be read: zeros, NaN for bad sequences
-        _write_unread(call, _index(call, call.max_num_partitions, PARTITION_SIZE // call.block_size))
+        _write_unread(call, _index(call, call.max_num_partitions, _columns(call)))
         return
     compute_dtype = call.query.dtype
     mixed = _bmm_float32_out(call.query.device, compute_dtype)
