@@ -136,6 +136,13 @@ def call_op(backend, version, buffers, inputs, **tail):
                                    *op_arguments(inputs), **tail)
 
 
+def blocksparse_keywords(sparse):
+    """The op's keyword arguments for ``sparse``, a block-sparse pattern as ``reference_attention`` takes it."""
+    return dict(tp_rank=sparse["tp_rank"], blocksparse_local_blocks=sparse["local_blocks"],
+                blocksparse_vert_stride=sparse["vert_stride"], blocksparse_block_size=sparse["block_size"],
+                blocksparse_head_sliding_step=sparse["head_sliding_step"])
+
+
 def run_op(backend, inputs, version, device, scale_as_tensor=False, **tail):
     """Move ``inputs`` to ``device``, run the op into NaN-filled buffers, return the buffers."""
     on_device = to_device(inputs, device, scale_as_tensor)

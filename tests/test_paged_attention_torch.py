@@ -137,15 +137,13 @@ BLOCKSPARSE = [
 def test_blocksparse_matches_reference(sparse, device):
     local_blocks, vert_stride, bs_block_size, sliding_step, tp_rank = sparse
     inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [5, 700, 2100], poison=True, seed=vert_stride)
-    ref = reference_attention(**inputs, blocksparse=dict(local_blocks=local_blocks, vert_stride=vert_stride,
-                                                         block_size=bs_block_size, head_sliding_step=sliding_step,
-                                                         tp_rank=tp_rank))
+    pattern = dict(local_blocks=local_blocks, vert_stride=vert_stride, block_size=bs_block_size,
+                   head_sliding_step=sliding_step, tp_rank=tp_rank)
+    ref = reference_attention(**inputs, blocksparse=pattern)
     dense = reference_attention(**inputs)
     assert not torch.allclose(ref["out"], dense["out"], atol=1e-3)  # the pattern really changes the result
-    tail = dict(tp_rank=tp_rank, blocksparse_local_blocks=local_blocks, blocksparse_vert_stride=vert_stride,
-                blocksparse_block_size=bs_block_size, blocksparse_head_sliding_step=sliding_step)
     for version in golden.VERSIONS:
-        outputs = golden.run_op(BACKEND, inputs, version, device, **tail)
+        outputs = golden.run_op(BACKEND, inputs, version, device, **golden.blocksparse_keywords(pattern))
         golden.check_against_reference(outputs, ref, golden.random_tolerance(inputs))
 
 
@@ -246,9 +244,7 @@ def _random_plan_case(seed):
         sparse = dict(local_blocks=draw.randint(0, 3), vert_stride=draw.choice([2, 3, 4]),
                       block_size=max(block_size, draw.choice([16, 64])), head_sliding_step=draw.choice([-1, 0, 2]),
                       tp_rank=draw.randint(0, 1))
-        keywords = dict(tp_rank=sparse["tp_rank"], blocksparse_local_blocks=sparse["local_blocks"],
-                        blocksparse_vert_stride=sparse["vert_stride"], blocksparse_block_size=sparse["block_size"],
-                        blocksparse_head_sliding_step=sparse["head_sliding_step"])
+        keywords = golden.blocksparse_keywords(sparse)
     tile_bytes = draw.choice([paged_attention_torch.MAX_TILE_BYTES, 1, draw.randint(1, 4 << 20)])
     result_bytes = draw.choice([paged_attention_torch.MAX_RESULT_BYTES, 1, draw.randint(1, 1 << 20)])
     return inputs, sparse, keywords, tile_bytes, result_bytes

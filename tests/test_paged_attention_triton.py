@@ -349,13 +349,11 @@ BLOCKSPARSE = [
 def test_blocksparse_matches_reference(sparse, device):
     local_blocks, vert_stride, bs_block_size, sliding_step, tp_rank = sparse
     inputs = golden.random_case(torch.float16, 64, 16, 4, 2, [5, 700, 2100], poison=True, seed=vert_stride)
-    ref = reference_attention(**inputs, blocksparse=dict(local_blocks=local_blocks, vert_stride=vert_stride,
-                                                         block_size=bs_block_size, head_sliding_step=sliding_step,
-                                                         tp_rank=tp_rank))
-    tail = dict(tp_rank=tp_rank, blocksparse_local_blocks=local_blocks, blocksparse_vert_stride=vert_stride,
-                blocksparse_block_size=bs_block_size, blocksparse_head_sliding_step=sliding_step)
+    pattern = dict(local_blocks=local_blocks, vert_stride=vert_stride, block_size=bs_block_size,
+                   head_sliding_step=sliding_step, tp_rank=tp_rank)
+    ref = reference_attention(**inputs, blocksparse=pattern)
     for version in golden.VERSIONS:
-        outputs = golden.run_op(BACKEND, inputs, version, device, **tail)
+        outputs = golden.run_op(BACKEND, inputs, version, device, **golden.blocksparse_keywords(pattern))
         golden.check_against_reference(outputs, ref, golden.random_tolerance(inputs))
 
 
