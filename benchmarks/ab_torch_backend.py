@@ -6,7 +6,8 @@ other checkout's ``kernels`` package (``git archive <commit> kernels | tar -x -C
 block 16, random block tables, full-length sequences) is one validated call timed through both
 ``forward`` functions in interleaved rounds, the L2 flushed before each call: CUDA events around the call
 (GPU time, or host time where the host is slower) and the CPU time of the call (host). Also records each
-row's largest difference of ``out`` between the two and a host reference (``torch.add`` on one element).
+row's largest difference of ``out`` between the two and a host reference (``torch.add`` on one element,
+timed like ``bench_paged_attention.py``'s).
 Writes ``<results-dir>/torch_ab.json`` and prints one line per row.
 """
 import argparse
@@ -18,6 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402  (benchmarks/_common.py beside this file)
 import torch  # noqa: E402
 from kernels import contract, paged_attention_torch  # noqa: E402
 
@@ -89,19 +91,6 @@ def timed(forward, call, flush):
     return start.elapsed_time(end) * 1e3, host * 1e6
 
 
-def host_reference_us(device):
-    one = torch.ones(1, device=device)
-    rounds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        for _ in range(200):
-            torch.add(one, 1)
-        rounds.append((time.perf_counter() - began) / 200 * 1e6)
-    torch.cuda.synchronize()
-    return min(rounds)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="a directory holding the other checkout's kernels package")
@@ -144,8 +133,10 @@ def main():
         results.append(entry)
         del call, outputs
         torch.cuda.empty_cache()
-    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "torch_add_host_us": host_reference_us(device), "results": results}
+    one = torch.ones(1, device=device)
+    torch_add_us = _common.host_call_us(lambda: torch.add(one, 1, out=one), device, 200)
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "torch_add_host_us": torch_add_us,
+               "results": results}
     os.makedirs(args.results_dir, exist_ok=True)
     with open(os.path.join(args.results_dir, "torch_ab.json"), "w") as handle:
         json.dump(payload, handle, indent=1)
