@@ -38,8 +38,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE = 128, 16, 512
 
 
-def load_baseline(directory):
-    """The ``paged_attention_torch`` module of the ``kernels`` package under ``directory``, as its own package."""
+def load_baseline(directory, module="paged_attention_torch"):
+    """The ``module`` of the ``kernels`` package under ``directory``, as its own package (``baseline_kernels``)."""
     init = os.path.join(directory, "kernels", "__init__.py")
     if not os.path.isfile(init):
         sys.exit(f"--baseline: {directory!r} holds no kernels/__init__.py "
@@ -49,7 +49,7 @@ def load_baseline(directory):
     package = importlib.util.module_from_spec(spec)
     sys.modules["baseline_kernels"] = package
     spec.loader.exec_module(package)
-    return importlib.import_module("baseline_kernels.paged_attention_torch")
+    return importlib.import_module(f"baseline_kernels.{module}")
 
 
 def make_call(dtype, heads, seqs, tokens, op, device):
