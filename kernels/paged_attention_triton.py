@@ -228,21 +228,20 @@ def _attend_step(q, k, v, tokens, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
 def _combine_splits(out_ptr, stride_o0, stride_o1, stride_o2, tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
                     exp_sums_ptr, stride_e0, stride_e1, stride_e2, max_logits_ptr, stride_m0, stride_m1, stride_m2,
                     seq, first_head, group_rows, used, seq_bad, head_size,
-                    HEAD_PAD: tl.constexpr, COMBINE_ROWS: tl.constexpr, COMBINE_UNROLL: tl.constexpr):
+                    HEAD_PAD: tl.constexpr, COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr):
     """v1's reduce in the program that finished its rows' splits last (``FUSED_REDUCE``): the ``used`` split
     outputs of the ``group_rows`` query heads from ``first_head`` on, combined into ``out`` as
-    ``_reduce_kernel`` combines them, one split per step in split order (the result does not depend on which
-    program came last). COMBINE_ROWS heads at a time, the loads of COMBINE_UNROLL splits in flight together:
-    tiles of the group's real heads, not of the HEADS_BLOCK rows tl.dot pads them to (16 rows of 8 splits
-    spilled registers and cost 5-8 us). Loads bypass L1 (``.cg``): the splits were written by other
-    multiprocessors."""
+    ``_reduce_kernel`` combines them (the result does not depend on which program came last). Tiles of
+    [COMBINE_SPLITS splits, COMBINE_ROWS heads, HEAD_PAD], one load each: the group's real heads, not the
+    HEADS_BLOCK rows tl.dot pads them to (16 padded rows of 8 splits spilled registers and cost 5-8 us), and
+    one tile, not a loop unrolled per split (which made the kernel 2-3x slower to compile). Loads bypass L1
+    (``.cg``): the splits were written by other multiprocessors."""
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < head_size
     for row0 in range(0, group_rows, COMBINE_ROWS):
         rows = row0 + tl.arange(0, COMBINE_ROWS)
         row_ok = rows < group_rows
         heads = first_head + rows
-        tile_ok = row_ok[:, None] & dim_ok[None, :]
         max_rows = max_logits_ptr + seq * stride_m0 + heads * stride_m1
         sum_rows = exp_sums_ptr + seq * stride_e0 + heads * stride_e1
         tmp_rows = tmp_ptr + seq.to(tl.int64) * stride_t0 + heads[:, None] * stride_t1 + dims[None, :] * stride_t3
@@ -250,29 +249,29 @@ def _combine_splits(out_ptr, stride_o0, stride_o1, stride_o2, tmp_ptr, stride_t0
         total = tl.zeros([COMBINE_ROWS], dtype=tl.float32)
         acc = tl.zeros([COMBINE_ROWS, HEAD_PAD], dtype=tl.float32)
         nan_splits = tl.zeros([COMBINE_ROWS], dtype=tl.int32)
-        for first in range(0, used, COMBINE_UNROLL):
-            for step in tl.static_range(COMBINE_UNROLL):
-                split = first + step
-                split_ok = split < used
-                part_max = tl.load(max_rows + split * stride_m2, mask=row_ok & split_ok, other=float("-inf"),
-                                   cache_modifier=".cg")
-                part_sum = tl.load(sum_rows + split * stride_e2, mask=row_ok & split_ok, other=0.0,
-                                   cache_modifier=".cg")
-                part_out = tl.load(tmp_rows + split * stride_t2, mask=tile_ok & split_ok, other=0.0,
-                                   cache_modifier=".cg")
-                nan_splits += (part_max != part_max).to(tl.int32)
-                new_top = tl.maximum(top, tl.where(part_max != part_max, float("-inf"), part_max))
-                shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # (no -inf - -inf)
-                rescale = tl.math.exp2((top - shift) * 1.4426950408889634)
-                weight = part_sum * tl.math.exp2((part_max - shift) * 1.4426950408889634)
-                weight = tl.where(used == 1, tl.where(split_ok, 1.0, 0.0), weight)
-                acc = acc * rescale[:, None] + part_out.to(tl.float32) * weight[:, None]
-                total = total * rescale + weight
-                top = new_top
+        for first in range(0, used, COMBINE_SPLITS):
+            splits = first + tl.arange(0, COMBINE_SPLITS)
+            ok = (splits < used)[:, None] & row_ok[None, :]
+            part_max = tl.load(max_rows[None, :] + splits[:, None] * stride_m2, mask=ok, other=float("-inf"),
+                               cache_modifier=".cg")
+            part_sum = tl.load(sum_rows[None, :] + splits[:, None] * stride_e2, mask=ok, other=0.0,
+                               cache_modifier=".cg")
+            part_out = tl.load(tmp_rows[None, :, :] + splits[:, None, None] * stride_t2,
+                               mask=ok[:, :, None] & dim_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            is_nan = part_max != part_max
+            nan_splits += tl.sum(is_nan.to(tl.int32), axis=0)
+            new_top = tl.maximum(top, tl.max(tl.where(is_nan, float("-inf"), part_max), axis=0))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # (no -inf - -inf)
+            rescale = tl.math.exp2((top - shift) * 1.4426950408889634)
+            weight = part_sum * tl.math.exp2((part_max - shift[None, :]) * 1.4426950408889634)
+            weight = tl.where(used == 1, tl.where(ok, 1.0, 0.0), weight)
+            acc = acc * rescale[:, None] + tl.sum(part_out * weight[:, :, None], axis=0)
+            total = total * rescale + tl.sum(weight, axis=0)
+            top = new_top
         denominator = tl.where(used == 1, 1.0, total + 1e-6)
         result = tl.where(seq_bad | (nan_splits > 0)[:, None], float("nan"), acc / denominator[:, None])
         tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + heads[:, None] * stride_o1 + dims[None, :] * stride_o2,
-                 result.to(out_ptr.dtype.element_ty), mask=tile_ok)
+                 result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_blocks", "table_columns", "max_seq_len", "tokens_per_split", "num_splits",
@@ -297,7 +296,7 @@ def _attention_kernel(
     IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr,
     USE_DOT: tl.constexpr,
     PREFETCH: tl.constexpr, UNMASKED_STEPS: tl.constexpr, KEY_ROWS: tl.constexpr, COMBINE_ROWS: tl.constexpr,
-    COMBINE_UNROLL: tl.constexpr,
+    COMBINE_SPLITS: tl.constexpr,
 ):
     """Grid (num_kv_heads * head_chunks, num_seqs, num_splits); split s covers tokens
     [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence. Head sizes are runtime values
@@ -446,7 +445,7 @@ def _attention_kernel(
                                 stride_t3, exp_sums_ptr, stride_e0, stride_e1, stride_e2, max_logits_ptr, stride_m0,
                                 stride_m1, stride_m2, seq, kv_head * queries_per_kv + chunk * HEADS_BLOCK,
                                 tl.minimum(queries_per_kv - chunk * HEADS_BLOCK, HEADS_BLOCK), used, seq_bad,
-                                head_size, HEAD_PAD, COMBINE_ROWS, COMBINE_UNROLL)
+                                head_size, HEAD_PAD, COMBINE_ROWS, COMBINE_SPLITS)
     else:
         out_ptrs = out_ptr + seq.to(tl.int64) * stride_o0 + heads[:, None] * stride_o1 + dims[None, :] * stride_o2
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -771,8 +770,8 @@ def make_forward(limits=None, excluded=()):
 class _Plan:
     """Everything about a launch that depends only on the call's shapes (cached per shape)."""
 
-    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "splits", "scratch", "token",
-                 "dense_args", "excluded")
+    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "combine", "splits", "scratch",
+                 "token", "dense_args", "excluded")
 
     def splits_for(self, call):
         """(num_splits, tokens_per_split, subs, reduce tile): v1 its own split-KV (``subs`` 1); v2 vLLM's
@@ -831,6 +830,7 @@ def _plan(call, limits):
         USE_DOT=config.use_dot, PREFETCH=config.prefetch,
         UNMASKED_STEPS=configs.unmasked_steps(config, call.head_size), num_warps=config.num_warps,
         num_stages=config.num_stages)
+    plan.combine = configs.combine_tile(config, call.queries_per_kv, call.head_size, limits.warp_size)
     return plan
 
 
@@ -856,10 +856,10 @@ def _attention_constants(plan, call, cache_strides, scales_in_memory, partial, f
     """The attention kernel's constexprs for a launch: the plan's, and those that depend on the call's
     tensors (scales in memory, split outputs, v1's fused reduce, vLLM's slot layout)."""
     contiguous = _contiguous_slots(call, *cache_strides[1:3])
-    rows, unroll = configs.combine_tile(plan.config, call.queries_per_kv, call.head_size, plan.limits.warp_size)
+    rows, splits = plan.combine
     return dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial, FUSED_REDUCE=fused,
                 CONTIGUOUS_SLOTS=contiguous, KEY_ROWS=contiguous and configs.key_rows(plan.config, call.block_size),
-                COMBINE_ROWS=rows if fused else 1, COMBINE_UNROLL=unroll if fused else 1)
+                COMBINE_ROWS=rows if fused else 1, COMBINE_SPLITS=splits if fused else 1)
 
 
 def _launch(call, plan):
@@ -876,7 +876,8 @@ def _launch(call, plan):
         partial = True
         tmp, exp_sums, max_logits, counters = plan.scratch_for(call, num_splits)
         split_strides = (tmp.stride(), exp_sums.stride(), max_logits.stride())
-        fused = subs == 1 and num_splits <= configs.FUSED_REDUCE_MAX_SPLITS  # v1: reduced in the same launch
+        # v1: reduced in the same launch where the combine's loads take few rounds
+        fused = subs == 1 and num_splits <= plan.combine[1] * configs.FUSED_REDUCE_MAX_ROUNDS
     else:  # the split outputs are unused (PARTIAL off): out stands in, no views made
         partial = False
         tmp = exp_sums = max_logits = out

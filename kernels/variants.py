@@ -279,7 +279,7 @@ def _attention_source(kernels, variant):
                      UNMASKED_STEPS=configs.unmasked_steps(config, variant.head_size),
                      KEY_ROWS=configs.key_rows(config, variant.block_size),
                      COMBINE_ROWS=config.heads_block,  # the most registers a group's combine takes
-                     COMBINE_UNROLL=configs.combine_tile(config, config.heads_block, variant.head_size, 32)[1])
+                     COMBINE_SPLITS=configs.combine_tile(config, config.heads_block, variant.head_size, 32)[1])
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 

@@ -94,8 +94,8 @@ def test_v1_reduces_its_splits_in_the_attention_launch(monkeypatch, device):
     scratch_for = paged_attention_triton._Plan.scratch_for
     monkeypatch.setattr(paged_attention_triton._Plan, "scratch_for",
                         lambda plan, *args: scratch.append(scratch_for(plan, *args)) or scratch[-1])
-    monkeypatch.setattr(configs, "FUSED_REDUCE_MAX_SPLITS", 9)  # 9 splits of 80 tokens
-    # The group's 4 heads in 2 tiles of 2, the splits in rounds of 4 + 4 + 1 loads.
+    # 9 splits of 80 tokens; the group's 4 heads in 2 tiles of 2 rows, the splits in tiles of 4 + 4 + 1.
+    monkeypatch.setattr(configs, "FUSED_REDUCE_MAX_ROUNDS", 3)
     monkeypatch.setattr(configs, "combine_tile", lambda *args: (2, 4))
     inputs = golden.random_case(torch.float16, 64, 16, 8, 2, [700, 600, 0, 130], poison=True)
     ref = golden.reference_for(inputs)
@@ -168,7 +168,7 @@ def test_reduce_in_several_loads_and_dim_chunks(monkeypatch, device):
     # a broken sequence still turns its out and every split it wrote into NaN. v1's splits go to the reduce
     # kernel too (over the fused reduce's bound).
     monkeypatch.setattr(configs, "REDUCE_MAX_SPLITS", 2)
-    monkeypatch.setattr(configs, "FUSED_REDUCE_MAX_SPLITS", 1)
+    monkeypatch.setattr(configs, "FUSED_REDUCE_MAX_ROUNDS", 0)
     monkeypatch.setattr(configs, "REDUCE_TILE", 32)
     assert configs.reduce_tile(3, 64) == (2, 16)
     inputs = golden.random_case(torch.float16, 64, 16, 4, 1, [1200, 1700, 40], alibi=True, poison=True)
