@@ -1,0 +1,56 @@
+"""The A/B harnesses (``benchmarks/ab_torch_backend.py``, ``ab_triton_backend.py``) on the CPU: their argument
+errors, the baseline loader, and the contiguous K/V that the Triton one times SDPA on (no timing: they need a GPU)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+
+BENCHMARKS = REPO_ROOT / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def harnesses():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import ab_torch_backend
+        import ab_triton_backend
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return ab_torch_backend, ab_triton_backend
+
+
+@pytest.mark.parametrize("script", ["ab_torch_backend.py", "ab_triton_backend.py"])
+def test_bad_arguments_name_the_argument(script, tmp_path):
+    run = [sys.executable, str(BENCHMARKS / script), "--baseline", str(tmp_path)]
+    result = subprocess.run(run + ["--rounds", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--rounds: must be at least 1; got 0" in result.stderr
+    result = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "holds no kernels/__init__.py" in result.stderr
+
+
+def test_baseline_loads_as_its_own_package(harnesses, tmp_path):
+    ab_torch_backend, _ = harnesses
+    subprocess.run(f"git -C {REPO_ROOT} archive HEAD kernels | tar -x -C {tmp_path}", shell=True, check=True)
+    module = ab_torch_backend.load_baseline(str(tmp_path), "paged_attention_triton")
+    assert module.__name__ == "baseline_kernels.paged_attention_triton"
+    assert module.__file__ == str(tmp_path / "kernels" / "paged_attention_triton.py")
+    assert callable(module.make_forward)
+
+
+@pytest.mark.parametrize("heads,seqs,tokens", [((8, 2), 2, 64), ((4, 4), 3, 48)])
+def test_sdpa_reads_each_sequences_blocks(harnesses, heads, seqs, tokens):
+    ab_torch_backend, ab_triton_backend = harnesses
+    from kernels import paged_attention_torch
+
+    call, kv_bytes = ab_torch_backend.make_call(torch.float32, heads, seqs, tokens, "v1", torch.device("cpu"))
+    assert kv_bytes == 2 * seqs * tokens * heads[1] * ab_torch_backend.HEAD_SIZE * 4
+    paged_attention_torch.forward(call)
+    sdpa = ab_triton_backend.contiguous_sdpa(call)().squeeze(2)
+    assert sdpa.shape == call.out.shape
+    torch.testing.assert_close(sdpa, call.out, atol=1e-5, rtol=1e-5)
+    call.block_tables.copy_(call.block_tables.roll(1, dims=0))  # other sequences' blocks: another answer
+    assert not torch.allclose(ab_triton_backend.contiguous_sdpa(call)().squeeze(2), call.out, atol=1e-3)
