@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402  (benchmarks/ beside this file)
 import ab_torch_backend  # noqa: E402
+import bench_paged_attention  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from kernels import paged_attention_triton  # noqa: E402
@@ -43,11 +44,9 @@ REPEATS = 100
 
 
 def contiguous_sdpa(call):
-    """SDPA on the call's K/V gathered into [seqs, kv heads, tokens, head] (one query per sequence)."""
-    seqs, tokens = call.num_seqs, call.max_seq_len
-    blocks = call.block_tables[:, :tokens // call.block_size].long()
-    key = call.key_cache[blocks].permute(0, 2, 1, 4, 3, 5).reshape(seqs, call.num_kv_heads, tokens, call.head_size)
-    value = call.value_cache[blocks].permute(0, 2, 1, 4, 3).reshape(seqs, call.num_kv_heads, tokens, call.head_size)
+    """SDPA on the call's K/V made contiguous (``bench_paged_attention.contiguous_kv``), one query per sequence."""
+    key, value = bench_paged_attention.contiguous_kv(call.key_cache, call.value_cache, call.block_tables,
+                                                     call.max_seq_len)
     query = call.query.unsqueeze(2)
     return lambda: F.scaled_dot_product_attention(query, key, value, scale=call.scale, enable_gqa=True)
 

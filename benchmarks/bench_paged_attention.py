@@ -328,6 +328,31 @@ def choose_timing(args, rows, series, use_sdpa, device):
 # ----------------------------------------------------------------------------------------------- data
 
 
+def contiguous_kv(key_cache, value_cache, block_tables, seq_len):
+    """vLLM's paged K and V as [num_seqs, num_kv_heads, seq_len, head_size], gathered through ``block_tables``
+    a chunk of sequences at a time (``GATHER_CHUNK_BYTES`` of cache)."""
+    import torch
+
+    num_seqs, blocks_per_seq = block_tables.shape
+    _, num_kv_heads, head_size, _ = value_cache.shape
+    shape = (num_seqs, num_kv_heads, seq_len, head_size)
+    key = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
+    value = torch.empty_like(key)
+    per_seq = blocks_per_seq * key_cache[0].numel() * key_cache.element_size()
+    chunk = max(1, GATHER_CHUNK_BYTES // per_seq)
+    for start in range(0, num_seqs, chunk):
+        blocks = block_tables[start:start + chunk].long()
+        n = blocks.shape[0]
+        # key block [kv_heads, head/x, block, x] -> [kv_heads, block, head]
+        k = key_cache[blocks].permute(0, 2, 1, 4, 3, 5).reshape(n, num_kv_heads, -1, head_size)
+        key[start:start + n].copy_(k[:, :, :seq_len])
+        del k
+        v = value_cache[blocks].permute(0, 2, 1, 4, 3).reshape(n, num_kv_heads, -1, head_size)
+        value[start:start + n].copy_(v[:, :, :seq_len])
+        del v
+    return key, value
+
+
 class CachePool:
     """One (dtype, heads) group's paged K/V cache, big enough for the group's largest row, random data."""
 
@@ -342,27 +367,8 @@ class CachePool:
                                  generator=generator)
 
     def contiguous(self, block_tables, seq_len):
-        """K and V as [num_seqs, num_kv_heads, seq_len, head_size], gathered a chunk of sequences at a time."""
-        import torch
-
-        num_seqs, blocks_per_seq = block_tables.shape
-        _, num_kv_heads, _, _, _ = self.key.shape
-        shape = (num_seqs, num_kv_heads, seq_len, HEAD_SIZE)
-        key = torch.empty(shape, dtype=self.key.dtype, device=self.key.device)
-        value = torch.empty_like(key)
-        per_seq = blocks_per_seq * self.key[0].numel() * self.key.element_size()
-        chunk = max(1, GATHER_CHUNK_BYTES // per_seq)
-        for start in range(0, num_seqs, chunk):
-            blocks = block_tables[start:start + chunk].long()
-            n = blocks.shape[0]
-            # key block [kv_heads, head/x, block, x] -> [kv_heads, block, head]
-            k = self.key[blocks].permute(0, 2, 1, 4, 3, 5).reshape(n, num_kv_heads, -1, HEAD_SIZE)
-            key[start:start + n].copy_(k[:, :, :seq_len])
-            del k
-            v = self.value[blocks].permute(0, 2, 1, 4, 3).reshape(n, num_kv_heads, -1, HEAD_SIZE)
-            value[start:start + n].copy_(v[:, :, :seq_len])
-            del v
-        return key, value
+        """K and V as [num_seqs, num_kv_heads, seq_len, head_size] (``contiguous_kv``)."""
+        return contiguous_kv(self.key, self.value, block_tables, seq_len)
 
     def reference(self, query, block_tables, seq_len, scale, num_seqs):
         """Float32 attention for the first ``num_seqs`` sequences, read token by token from the cache."""
