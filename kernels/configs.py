@@ -45,6 +45,15 @@ PROGRAMS_PER_SM = 4
 SUBSPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SUBSPLITS = 8  # v2: a 512-token partition in 64-token sub-splits at most
+# v1's splits are reduced by the program that finishes last, in the attention launch, when its combine loads
+# them in at most this many tiles (COMBINE_SPLITS splits each): every tile is an L2 round trip after the last
+# split is done, and a second one cost more than _reduce_kernel's launch (H100: 8 splits of 8 heads in 2
+# rounds 12.4 -> 14.0 us, 16 splits of 4 heads 13.6 -> 14.0; in one 18.6 -> 18.0). More go to
+# _reduce_kernel, whose programs load every split at once.
+FUSED_REDUCE_MAX_ROUNDS = 1
+FUSED_REDUCE_MAX_TILE_SPLITS = 16
+# Registers per thread that the fused combine's tile may take (float32).
+COMBINE_REGISTERS = 128
 REDUCE_NUM_WARPS = 4
 REDUCE_TILE = 4096        # float32 values per reduce program and load
 REDUCE_MAX_SPLITS = 256
@@ -237,6 +246,16 @@ def reduce_tile(num_splits, head_size):
     splits_block = max(1, min(_next_power_of_2(num_splits), REDUCE_MAX_SPLITS))
     dims_block = min(head_pad, max(MIN_REDUCE_DIMS, REDUCE_TILE // splits_block))
     return splits_block, dims_block
+
+
+def combine_tile(config, queries_per_kv, head_size, warp_size):
+    """The fused v1 combine's tile: ``(rows, splits)``, query heads (the group's heads, a power of 2, at most
+    the config's ``heads_block``) by splits loaded together, as many as keep the tile within
+    ``COMBINE_REGISTERS`` float32 registers per thread (a power of 2, at most ``FUSED_REDUCE_MAX_TILE_SPLITS``)."""
+    rows = min(config.heads_block, _next_power_of_2(queries_per_kv))
+    per_split = max(1, rows * _next_power_of_2(head_size) // (config.num_warps * warp_size))
+    splits = max(1, min(FUSED_REDUCE_MAX_TILE_SPLITS, COMBINE_REGISTERS // per_split))
+    return rows, 1 << (splits.bit_length() - 1)
 
 
 def partition_reduce_tile(partitions, subs, head_size):

@@ -20,10 +20,12 @@ tile, the pipelined ``tl.dot`` path loads whole steps with no mask at all). Scor
 (``USE_DOT``); the next step's loads are issued by the kernel itself or left to Triton's pipeliner
 (``PREFETCH``). An online softmax in float32 uses exp2 (log2(e) folded
 into the scale). A split either is the whole sequence (writes ``out``) or a token range that
-writes its max logit, sum of exp and self-normalised output; ``_reduce_kernel`` combines the valid
-splits. v1 picks its own splits to fill one wave of resident programs; v2 uses vLLM's 512-token
-partitions and buffers, and where they leave SMs idle cuts each into sub-splits that
-``_partition_reduce_kernel`` combines into the partition outputs and reduces, in one launch.
+writes its max logit, sum of exp and self-normalised output. v1 picks its own splits to fill one wave of
+resident programs, and the program that finishes a row group's splits last (an atomic count per group)
+combines them into ``out`` in the same launch (``FUSED_REDUCE``: no second kernel, no second launch's host
+time). v2 uses vLLM's 512-token partitions and buffers, which ``_reduce_kernel`` combines; where they leave
+SMs idle it cuts each into sub-splits that ``_partition_reduce_kernel`` combines into the partition
+outputs and reduces, in one launch.
 
 Language: only what Triton 2.3 has (``tl.math.exp2``, ``tl.static_range``, ``.to()``, plain ``range``), and
 Triton 2.3's typing: a Python scalar beside a bfloat16 tensor makes float32 there (zeros of its dtype instead).
@@ -222,6 +224,56 @@ def _attend_step(q, k, v, tokens, end, m_i, l_i, acc, qk_scale, seq_len, slopes,
     return m_new, l_i, acc
 
 
+@triton.jit
+def _combine_splits(out_ptr, stride_o0, stride_o1, stride_o2, tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
+                    exp_sums_ptr, stride_e0, stride_e1, stride_e2, max_logits_ptr, stride_m0, stride_m1, stride_m2,
+                    seq, first_head, group_rows, used, seq_bad, head_size,
+                    HEAD_PAD: tl.constexpr, COMBINE_ROWS: tl.constexpr, COMBINE_SPLITS: tl.constexpr):
+    """v1's reduce in the program that finished its rows' splits last (``FUSED_REDUCE``): the ``used`` split
+    outputs of the ``group_rows`` query heads from ``first_head`` on, combined into ``out`` as
+    ``_reduce_kernel`` combines them (the result does not depend on which program came last). Tiles of
+    [COMBINE_SPLITS splits, COMBINE_ROWS heads, HEAD_PAD], one load each: the group's real heads, not the
+    HEADS_BLOCK rows tl.dot pads them to (16 padded rows of 8 splits spilled registers and cost 5-8 us), and
+    one tile, not a loop unrolled per split (which made the kernel 2-3x slower to compile). Loads bypass L1
+    (``.cg``): the splits were written by other multiprocessors."""
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < head_size
+    for row0 in range(0, group_rows, COMBINE_ROWS):
+        rows = row0 + tl.arange(0, COMBINE_ROWS)
+        row_ok = rows < group_rows
+        heads = first_head + rows
+        max_rows = max_logits_ptr + seq * stride_m0 + heads * stride_m1
+        sum_rows = exp_sums_ptr + seq * stride_e0 + heads * stride_e1
+        tmp_rows = tmp_ptr + seq.to(tl.int64) * stride_t0 + heads[:, None] * stride_t1 + dims[None, :] * stride_t3
+        top = tl.zeros([COMBINE_ROWS], dtype=tl.float32) - float("inf")
+        total = tl.zeros([COMBINE_ROWS], dtype=tl.float32)
+        acc = tl.zeros([COMBINE_ROWS, HEAD_PAD], dtype=tl.float32)
+        nan_splits = tl.zeros([COMBINE_ROWS], dtype=tl.int32)
+        for first in range(0, used, COMBINE_SPLITS):
+            splits = first + tl.arange(0, COMBINE_SPLITS)
+            ok = (splits < used)[:, None] & row_ok[None, :]
+            part_max = tl.load(max_rows[None, :] + splits[:, None] * stride_m2, mask=ok, other=float("-inf"),
+                               cache_modifier=".cg")
+            part_sum = tl.load(sum_rows[None, :] + splits[:, None] * stride_e2, mask=ok, other=0.0,
+                               cache_modifier=".cg")
+            part_out = tl.load(tmp_rows[None, :, :] + splits[:, None, None] * stride_t2,
+                               mask=ok[:, :, None] & dim_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            is_nan = part_max != part_max
+            nan_splits += tl.sum(is_nan.to(tl.int32), axis=0)
+            new_top = tl.maximum(top, tl.max(tl.where(is_nan, float("-inf"), part_max), axis=0))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # (no -inf - -inf)
+            rescale = tl.math.exp2((top - shift) * 1.4426950408889634)
+            weight = part_sum * tl.math.exp2((part_max - shift[None, :]) * 1.4426950408889634)
+            weight = tl.where(used == 1, tl.where(ok, 1.0, 0.0), weight)
+            acc = acc * rescale[:, None] + tl.sum(part_out * weight[:, :, None], axis=0)
+            total = total * rescale + tl.sum(weight, axis=0)
+            top = new_top
+        denominator = tl.where(used == 1, 1.0, total + 1e-6)
+        result = tl.where(seq_bad | (nan_splits > 0)[:, None], float("nan"), acc / denominator[:, None])
+        tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + heads[:, None] * stride_o1 + dims[None, :] * stride_o2,
+                 result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["num_blocks", "table_columns", "max_seq_len", "tokens_per_split", "num_splits",
                               "tp_rank", "sparse_local_blocks", "sparse_vert_stride", "sparse_block_size",
                               "sparse_sliding_step"])
@@ -230,6 +282,7 @@ def _attention_kernel(
     tmp_ptr, stride_t0, stride_t1, stride_t2, stride_t3,
     exp_sums_ptr, stride_e0, stride_e1, stride_e2,
     max_logits_ptr, stride_m0, stride_m1, stride_m2,
+    counters_ptr,
     query_ptr, stride_q0, stride_q1, stride_q2,
     key_ptr, stride_k0, stride_k1, stride_k2, stride_k3, stride_k4,
     value_ptr, stride_v0, stride_v1, stride_v2, stride_v3,
@@ -240,8 +293,10 @@ def _attention_kernel(
     sparse_block_size, sparse_sliding_step,
     HEADS_BLOCK: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     X: tl.constexpr, KV_FORMAT: tl.constexpr, SCALES_IN_MEMORY: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr, USE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr, UNMASKED_STEPS: tl.constexpr, KEY_ROWS: tl.constexpr,
+    IS_SPARSE: tl.constexpr, PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr, CONTIGUOUS_SLOTS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr, UNMASKED_STEPS: tl.constexpr, KEY_ROWS: tl.constexpr, COMBINE_ROWS: tl.constexpr,
+    COMBINE_SPLITS: tl.constexpr,
 ):
     """Grid (num_kv_heads * head_chunks, num_seqs, num_splits); split s covers tokens
     [s * tokens_per_split, (s + 1) * tokens_per_split) of its sequence. Head sizes are runtime values
@@ -380,6 +435,17 @@ def _attention_kernel(
                  mask=row_ok & written)
         tl.store(exp_sums_ptr + seq * stride_e0 + heads * stride_e1 + split * stride_e2, exp_sum,
                  mask=row_ok & written)
+        if FUSED_REDUCE:  # v1: the last of this row group's splits to finish reduces them into out
+            tl.debug_barrier()  # every thread's split stores come before the count (the atomic releases them)
+            counter = counters_ptr + seq * tl.num_programs(0) + tl.program_id(0)
+            if tl.atomic_add(counter, 1) == num_splits - 1:
+                tl.store(counter, 0)  # the next launch counts from 0
+                used = tl.minimum((usable_len + tokens_per_split - 1) // tokens_per_split, num_splits)
+                _combine_splits(out_ptr, stride_o0, stride_o1, stride_o2, tmp_ptr, stride_t0, stride_t1, stride_t2,
+                                stride_t3, exp_sums_ptr, stride_e0, stride_e1, stride_e2, max_logits_ptr, stride_m0,
+                                stride_m1, stride_m2, seq, kv_head * queries_per_kv + chunk * HEADS_BLOCK,
+                                tl.minimum(queries_per_kv - chunk * HEADS_BLOCK, HEADS_BLOCK), used, seq_bad,
+                                head_size, HEAD_PAD, COMBINE_ROWS, COMBINE_SPLITS)
     else:
         out_ptrs = out_ptr + seq.to(tl.int64) * stride_o0 + heads[:, None] * stride_o1 + dims[None, :] * stride_o2
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -704,8 +770,8 @@ def make_forward(limits=None, excluded=()):
 class _Plan:
     """Everything about a launch that depends only on the call's shapes (cached per shape)."""
 
-    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "splits", "scratch", "token",
-                 "dense_args", "excluded")
+    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "combine", "splits", "scratch",
+                 "token", "dense_args", "excluded")
 
     def splits_for(self, call):
         """(num_splits, tokens_per_split, subs, reduce tile): v1 its own split-KV (``subs`` 1); v2 vLLM's
@@ -730,14 +796,17 @@ class _Plan:
         return found
 
     def scratch_for(self, call, num_splits):
-        """v1's split outputs (float32, reused by later calls of this shape: a stream runs them in order)."""
+        """v1's split outputs (float32) and the arrival counters of its fused reduce, one per row group (each
+        launch leaves them at 0); reused by later calls of this shape: a stream runs them in order."""
         found = self.scratch.get(num_splits)
         if found is None:
             shape = (call.num_seqs, call.num_heads, num_splits)
             device = call.device
             found = (torch.empty(shape + (call.head_size,), dtype=torch.float32, device=device),
                      torch.empty(shape, dtype=torch.float32, device=device),
-                     torch.empty(shape, dtype=torch.float32, device=device))
+                     torch.empty(shape, dtype=torch.float32, device=device),
+                     torch.zeros(call.num_seqs, call.num_kv_heads * self.head_chunks, dtype=torch.int32,
+                                 device=device))
             self.scratch[num_splits] = found
         return found
 
@@ -761,6 +830,7 @@ def _plan(call, limits):
         USE_DOT=config.use_dot, PREFETCH=config.prefetch,
         UNMASKED_STEPS=configs.unmasked_steps(config, call.head_size), num_warps=config.num_warps,
         num_stages=config.num_stages)
+    plan.combine = configs.combine_tile(config, call.queries_per_kv, call.head_size, limits.warp_size)
     return plan
 
 
@@ -782,12 +852,14 @@ def _contiguous_slots(call, key_strides, value_strides):
             and key_strides[3] == call.x)
 
 
-def _attention_constants(plan, call, cache_strides, scales_in_memory, partial):
+def _attention_constants(plan, call, cache_strides, scales_in_memory, partial, fused):
     """The attention kernel's constexprs for a launch: the plan's, and those that depend on the call's
-    tensors (scales in memory, split outputs, vLLM's slot layout)."""
+    tensors (scales in memory, split outputs, v1's fused reduce, vLLM's slot layout)."""
     contiguous = _contiguous_slots(call, *cache_strides[1:3])
-    return dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial, CONTIGUOUS_SLOTS=contiguous,
-                KEY_ROWS=contiguous and configs.key_rows(plan.config, call.block_size))
+    rows, splits = plan.combine
+    return dict(plan.constants, SCALES_IN_MEMORY=scales_in_memory, PARTIAL=partial, FUSED_REDUCE=fused,
+                CONTIGUOUS_SLOTS=contiguous, KEY_ROWS=contiguous and configs.key_rows(plan.config, call.block_size),
+                COMBINE_ROWS=rows if fused else 1, COMBINE_SPLITS=splits if fused else 1)
 
 
 def _launch(call, plan):
@@ -795,14 +867,17 @@ def _launch(call, plan):
     device = call.device
     num_splits, tokens_per_split, subs, tile = plan.splits_for(call)
     out_strides = out.stride()
+    fused = False
     if call.exp_sums is not None and subs == 1:
         partial = True
         tmp, exp_sums, max_logits = call.tmp_out, call.exp_sums, call.max_logits
         split_strides = (tmp.stride(), exp_sums.stride(), max_logits.stride())
     elif num_splits > 1:
         partial = True
-        tmp, exp_sums, max_logits = plan.scratch_for(call, num_splits)
+        tmp, exp_sums, max_logits, counters = plan.scratch_for(call, num_splits)
         split_strides = (tmp.stride(), exp_sums.stride(), max_logits.stride())
+        # v1: reduced in the same launch where the combine's loads take few rounds
+        fused = subs == 1 and num_splits <= plan.combine[1] * configs.FUSED_REDUCE_MAX_ROUNDS
     else:  # the split outputs are unused (PARTIAL off): out stands in, no views made
         partial = False
         tmp = exp_sums = max_logits = out
@@ -826,7 +901,10 @@ def _launch(call, plan):
     alibi = call.alibi_slopes if call.alibi_slopes is not None else call.seq_lens
     block_tables, seq_lens = call.block_tables, call.seq_lens
     cache_strides = (query.stride(), key_cache.stride(), value_cache.stride(), block_tables.stride())
-    tensors = (out, tmp, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens, alibi)
+    if not fused:
+        counters = seq_lens  # (unused: a stand-in pointer)
+    tensors = (out, tmp, exp_sums, max_logits, counters, query, key_cache, value_cache, block_tables, seq_lens,
+               alibi)
     out_at, lens_at = out.data_ptr(), seq_lens.data_ptr()
     if partial:
         tmp_at, sums_at, max_at = tmp.data_ptr(), exp_sums.data_ptr(), max_logits.data_ptr()
@@ -835,17 +913,19 @@ def _launch(call, plan):
     alibi_at = lens_at if call.alibi_slopes is None else alibi.data_ptr()
     query_at, key_at, value_at, tables_at = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                                              block_tables.data_ptr())
-    aligned = _alignment((out_at, tmp_at, sums_at, max_at, query_at, key_at, value_at, tables_at, lens_at, alibi_at))
+    counters_at = counters.data_ptr() if fused else lens_at
+    aligned = _alignment((out_at, tmp_at, sums_at, max_at, counters_at, query_at, key_at, value_at, tables_at, lens_at,
+                          alibi_at))
     tmp_strides, sum_strides, max_strides = split_strides
-    args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides,
+    args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, counters_at,
             query_at, *cache_strides[0], key_at, *cache_strides[1], value_at, *cache_strides[2],
             tables_at, *cache_strides[3], lens_at, alibi_at, k_scale, v_scale, call.scale * LOG2E, call.head_size,
             call.queries_per_kv, plan.head_chunks, call.num_blocks, block_tables.shape[1], call.max_seq_len,
             tokens_per_split, num_splits, *sparse_args)
     grid = (call.num_kv_heads * plan.head_chunks, call.num_seqs, num_splits)
-    _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial), grid,
-               device, args, tensors,
-               lambda: _attention_constants(plan, call, cache_strides, scales_in_memory, partial))
+    _attention((plan.token, out_strides, split_strides, cache_strides, aligned, scales_in_memory, partial, fused),
+               grid, device, args, tensors,
+               lambda: _attention_constants(plan, call, cache_strides, scales_in_memory, partial, fused))
     if subs > 1:  # v2 from sub-splits: vLLM's partition outputs and the reduce over them, one kernel
         parts = (call.tmp_out, call.exp_sums, call.max_logits)
         part_strides = tuple(buffer.stride() for buffer in parts)
@@ -860,7 +940,7 @@ def _launch(call, plan):
                           (out,) + parts + (tmp, exp_sums, max_logits, seq_lens),
                           lambda: dict(SUBS=subs, PARTS_BLOCK=tile[0], DIMS_BLOCK=tile[1],
                                        num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))
-    elif partial:
+    elif partial and not fused:  # v2's partitions, one per program
         reduce_aligned = _alignment((out_at, tmp_at, sums_at, max_at, lens_at))
         args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
                 call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,

@@ -274,10 +274,12 @@ def _attention_source(kernels, variant):
     constants = dict(HEADS_BLOCK=config.heads_block, HEAD_PAD=configs._next_power_of_2(variant.head_size),
                      BLOCK_SIZE=variant.block_size, BLOCK_N=config.block_n, X=x,
                      KV_FORMAT=kernels.FP8_FORMATS[variant.kv_cache_dtype], SCALES_IN_MEMORY=True,
-                     HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, CONTIGUOUS_SLOTS=True,
+                     HAS_ALIBI=True, IS_SPARSE=True, PARTIAL=True, FUSED_REDUCE=True, CONTIGUOUS_SLOTS=True,
                      USE_DOT=config.use_dot, PREFETCH=config.prefetch,
                      UNMASKED_STEPS=configs.unmasked_steps(config, variant.head_size),
-                     KEY_ROWS=configs.key_rows(config, variant.block_size))
+                     KEY_ROWS=configs.key_rows(config, variant.block_size),
+                     COMBINE_ROWS=config.heads_block,  # the most registers a group's combine takes
+                     COMBINE_SPLITS=configs.combine_tile(config, config.heads_block, variant.head_size, 32)[1])
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -308,7 +310,7 @@ def _signature(fn, variant, constants):
             constexprs[name] = 1
         elif name in float32_pointers:
             signature[name] = "*fp32"
-        elif name in ("block_tables_ptr", "seq_lens_ptr"):
+        elif name in ("block_tables_ptr", "seq_lens_ptr", "counters_ptr"):
             signature[name] = "*i32"
         elif name in ("key_ptr", "value_ptr"):
             signature[name] = "*" + cache_type

@@ -92,8 +92,8 @@ def make_paged_case(*, kernel, head_size, block_size, dtype, kv_cache_dtype="aut
     """Inputs of one decode call in vLLM's layouts, blocks scattered over a shuffled pool.
 
     The v2 case spans two 512-token partitions; the v1 case is long enough (half a partition) for the Triton
-    backend to split it over programs, so v1's split reduce runs too; the last block of each sequence is
-    partly used.
+    backend to split it over programs and reduce the splits in the same launch; the last block of each
+    sequence is partly used.
     """
     generator = torch.Generator().manual_seed(seed)
     if seq_lens is None:

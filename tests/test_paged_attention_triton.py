@@ -85,6 +85,34 @@ def test_split_kv_v1_matches_reference(dtype, block_size, device):
     golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
 
 
+def test_v1_reduces_its_splits_in_the_attention_launch(monkeypatch, device):
+    # v1's splits are combined by the program that finishes last: one launch, no reduce kernel; the arrival
+    # counters are back at 0 after each call, so a repeated call gives the first call's output bit for bit.
+    # Sequence 1 has one bad block (in one of its splits): only that sequence becomes NaN.
+    reduces, scratch = [], []
+    monkeypatch.setattr(paged_attention_triton, "_reduce", lambda *args: reduces.append(args))
+    scratch_for = paged_attention_triton._Plan.scratch_for
+    monkeypatch.setattr(paged_attention_triton._Plan, "scratch_for",
+                        lambda plan, *args: scratch.append(scratch_for(plan, *args)) or scratch[-1])
+    # 9 splits of 80 tokens; the group's 4 heads in 2 tiles of 2 rows, the splits in tiles of 4 + 4 + 1.
+    monkeypatch.setattr(configs, "FUSED_REDUCE_MAX_ROUNDS", 3)
+    monkeypatch.setattr(configs, "combine_tile", lambda *args: (2, 4))
+    inputs = golden.random_case(torch.float16, 64, 16, 8, 2, [700, 600, 0, 130], poison=True)
+    ref = golden.reference_for(inputs)
+    golden.entry_too_large(inputs)
+    backend = get_backend("triton", limits=SPLITTING_LIMITS)
+    first = golden.run_op(backend, inputs, "v1", device)
+    again = golden.run_op(backend, inputs, "v1", device)
+    assert not reduces and scratch and scratch[0][1].shape[2] == 9  # split, and reduced in the same launch
+    counters = scratch[-1][3]
+    assert counters.shape == (4, 2) and not counters.any()
+    assert torch.equal(first["out"].nan_to_num(), again["out"].nan_to_num())
+    assert torch.isnan(first["out"][1]).all() and not torch.isnan(first["out"][[0, 2, 3]]).any()
+    good = [0, 2, 3]
+    golden.check_against_reference({"out": first["out"][good]}, {"out": ref["out"][good]},
+                                   golden.random_tolerance(inputs))
+
+
 @pytest.mark.parametrize("dtype,block_size,kv_cache_dtype", [(torch.float16, 16, "auto"), (torch.bfloat16, 8, "auto"),
                                                               (torch.float32, 32, "fp8_e5m2")])
 def test_v2_sub_splits_match_reference(dtype, block_size, kv_cache_dtype, device):
@@ -137,8 +165,10 @@ def test_partition_reduce_in_dim_chunks(monkeypatch, device):
 
 def test_reduce_in_several_loads_and_dim_chunks(monkeypatch, device):
     # A 2-split, 16-dim tile: the reduce loops over loads and splits a head's dims over programs;
-    # a broken sequence still turns its out and every split it wrote into NaN.
+    # a broken sequence still turns its out and every split it wrote into NaN. v1's splits go to the reduce
+    # kernel too (over the fused reduce's bound).
     monkeypatch.setattr(configs, "REDUCE_MAX_SPLITS", 2)
+    monkeypatch.setattr(configs, "FUSED_REDUCE_MAX_ROUNDS", 0)
     monkeypatch.setattr(configs, "REDUCE_TILE", 32)
     assert configs.reduce_tile(3, 64) == (2, 16)
     inputs = golden.random_case(torch.float16, 64, 16, 4, 1, [1200, 1700, 40], alibi=True, poison=True)
