@@ -770,8 +770,8 @@ def make_forward(limits=None, excluded=()):
 class _Plan:
     """Everything about a launch that depends only on the call's shapes (cached per shape)."""
 
-    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "combine", "splits", "scratch",
-                 "token", "dense_args", "excluded")
+    __slots__ = ("limits", "config", "head_chunks", "programs", "constants", "combine", "fused_splits", "splits",
+                 "scratch", "token", "dense_args", "excluded")
 
     def splits_for(self, call):
         """(num_splits, tokens_per_split, subs, reduce tile): v1 its own split-KV (``subs`` 1); v2 vLLM's
@@ -831,6 +831,9 @@ def _plan(call, limits):
         UNMASKED_STEPS=configs.unmasked_steps(config, call.head_size), num_warps=config.num_warps,
         num_stages=config.num_stages)
     plan.combine = configs.combine_tile(config, call.queries_per_kv, call.head_size, limits.warp_size)
+    # v1: reduced in the same launch where the combine's loads take few rounds (its most splits; 0: never)
+    plan.fused_splits = (plan.combine[1] * configs.FUSED_REDUCE_MAX_ROUNDS
+                         if call.queries_per_kv >= configs.FUSED_REDUCE_MIN_QUERIES_PER_KV else 0)
     return plan
 
 
@@ -876,8 +879,7 @@ def _launch(call, plan):
         partial = True
         tmp, exp_sums, max_logits, counters = plan.scratch_for(call, num_splits)
         split_strides = (tmp.stride(), exp_sums.stride(), max_logits.stride())
-        # v1: reduced in the same launch where the combine's loads take few rounds
-        fused = subs == 1 and num_splits <= plan.combine[1] * configs.FUSED_REDUCE_MAX_ROUNDS
+        fused = subs == 1 and num_splits <= plan.fused_splits
     else:  # the split outputs are unused (PARTIAL off): out stands in, no views made
         partial = False
         tmp = exp_sums = max_logits = out
