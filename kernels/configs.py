@@ -51,11 +51,11 @@ MAX_SUBSPLITS = 8  # v2: a 512-token partition in 64-token sub-splits at most
 # rounds 12.4 -> 14.0 us, 16 splits of 4 heads 13.6 -> 14.0; in one 18.6 -> 18.0). More go to
 # _reduce_kernel, whose programs load every split at once.
 FUSED_REDUCE_MAX_ROUNDS = 1
-# Grouped queries only: fused, MHA's 1 x 512 and 1 x 1024 ran 7% and 4% slower on an H100 (14.4 -> 15.5 us,
-# 18.8 -> 19.6), where the grouped rows it fuses gained 5-12% (1 x 512 12.3 -> 11.0 us, 8 x 512 18.5 -> 16.6,
-# 32 x 512 40.5 -> 38.5; results/nvidia-h100-80gb-hbm3/triton_ab-fused-onetile.json).
-FUSED_REDUCE_MIN_QUERIES_PER_KV = 2
-FUSED_REDUCE_MAX_TILE_SPLITS = 16
+# At most 8 splits a tile: MHA's [16 splits, 1 head, 128 dims] tile made its fused 1 x 512 and 1 x 1024 rows
+# 7% and 4% slower than _reduce_kernel on an H100 (14.4 -> 15.5 us, 18.8 -> 19.6), where a tile of 8 made 1 x 512
+# 8% faster (14.4 -> 13.3) and grouped rows' tiles of 8 splits x 4 heads 5-12% faster
+# (results/nvidia-h100-80gb-hbm3/triton_ab-fused-onetile.json, triton_ab-mha-tile8-vs-unfused.json).
+FUSED_REDUCE_MAX_TILE_SPLITS = 8
 # Registers per thread that the fused combine's tile may take (float32).
 COMBINE_REGISTERS = 128
 REDUCE_NUM_WARPS = 4

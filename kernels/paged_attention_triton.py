@@ -831,9 +831,8 @@ def _plan(call, limits):
         UNMASKED_STEPS=configs.unmasked_steps(config, call.head_size), num_warps=config.num_warps,
         num_stages=config.num_stages)
     plan.combine = configs.combine_tile(config, call.queries_per_kv, call.head_size, limits.warp_size)
-    # v1: reduced in the same launch where the combine's loads take few rounds (its most splits; 0: never)
-    plan.fused_splits = (plan.combine[1] * configs.FUSED_REDUCE_MAX_ROUNDS
-                         if call.queries_per_kv >= configs.FUSED_REDUCE_MIN_QUERIES_PER_KV else 0)
+    # v1: reduced in the same launch where the combine's loads take few rounds (its most splits)
+    plan.fused_splits = plan.combine[1] * configs.FUSED_REDUCE_MAX_ROUNDS
     return plan
 
 

@@ -113,17 +113,19 @@ def test_v1_reduces_its_splits_in_the_attention_launch(monkeypatch, device):
                                    golden.random_tolerance(inputs))
 
 
-def test_v1_one_query_head_per_kv_head_reduces_in_its_own_kernel(monkeypatch, device):
-    # MHA's splits go to _reduce_kernel (configs.FUSED_REDUCE_MIN_QUERIES_PER_KV), as many as fit the fused tile.
+def test_v1_fuses_at_most_one_tile_of_eight_splits(monkeypatch, device):
+    # MHA: 300 tokens in 4 splits are combined in the attention launch (a one-row tile of 8 splits); 1200 in 15
+    # go to _reduce_kernel. Both match the reference.
     reduce, reduces = paged_attention_triton._reduce, []
     monkeypatch.setattr(paged_attention_triton, "_reduce", lambda *args: reduces.append(1) or reduce(*args))
-    inputs = golden.random_case(torch.float16, 64, 16, 4, 4, [300, 40], poison=True)
     config = configs.choose_config(SPLITTING_LIMITS, 64, 16, torch.float16, "auto", 1)
-    splits = configs.choose_splits(SPLITTING_LIMITS, 4 * 2, 300, config.block_n)[0]
-    assert 1 < splits <= configs.combine_tile(config, 1, 64, SPLITTING_LIMITS.warp_size)[1]  # would fit one tile
-    outputs = golden.run_op(SPLITTING, inputs, "v1", device)
-    assert reduces == [1]
-    golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
+    assert configs.combine_tile(config, 1, 64, SPLITTING_LIMITS.warp_size) == (1, 8)
+    for seq_lens, expected_reduces in (([300, 40], []), ([1200], [1])):
+        reduces.clear()
+        inputs = golden.random_case(torch.float16, 64, 16, 4, 4, seq_lens, poison=True)
+        outputs = golden.run_op(SPLITTING, inputs, "v1", device)
+        assert reduces == expected_reduces, seq_lens
+        golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
 
 
 @pytest.mark.parametrize("dtype,block_size,kv_cache_dtype", [(torch.float16, 16, "auto"), (torch.bfloat16, 8, "auto"),
