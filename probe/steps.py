@@ -158,11 +158,15 @@ def run_backend(backend, kernel, case):
 # call by the patcher's runtime fallback.
 FP8_PROBE_HEAD_SIZE, FP8_PROBE_BLOCK_SIZE = 128, 16
 V1_PROBE_HEAD_SIZE, V1_PROBE_BLOCK_SIZE = 128, 16
+# A one-sequence v1 call of 1061 tokens: 14 splits on a BI-V100, an H200 or the interpreter's limits, more than
+# a fused combine takes (configs.FUSED_REDUCE_MAX_TILE_SPLITS), so v1's reduce kernel runs too.
+V1_REDUCE_PROBE_TOKENS = 1061
 
 
 def _kernel_variants(context):
     """The variants step 3 runs: one per distinct compiled attention kernel (see above), each as a
-    v2 call (attention + reduce), plus a v1 call per query dtype and cache format."""
+    v2 call (attention + reduce), plus a v1 call per query dtype and cache format (its splits combined in
+    the attention launch) and, for the default format, a long one-sequence v1 call (through the reduce kernel)."""
     from biv100_patch.kernels import configs, variants
 
     limits = device_limits(context) or configs.INTERPRETER_LIMITS
@@ -191,6 +195,8 @@ def _kernel_variants(context):
                 V1_PROBE_HEAD_SIZE, V1_PROBE_BLOCK_SIZE) and v1_key not in v1_done:
             v1_done.add(v1_key)
             chosen.append(dict(entry, kernel="v1"))
+            if variant.kv_cache_dtype == "auto":
+                chosen.append(dict(entry, kernel="v1", seq_lens=[V1_REDUCE_PROBE_TOKENS]))
     return chosen
 
 
@@ -201,7 +207,8 @@ def _compare_variant(triton_backend, torch_backend, device, variant):
     case = make_paged_case(kernel=variant["kernel"], head_size=variant["head_size"],
                            block_size=variant["block_size"], dtype=dtype,
                            kv_cache_dtype=variant["kv_cache_dtype"], device=device,
-                           num_heads=variant.get("num_heads", 4), num_kv_heads=variant.get("num_kv_heads", 2))
+                           num_heads=variant.get("num_heads", 4), num_kv_heads=variant.get("num_kv_heads", 2),
+                           num_seqs=len(variant.get("seq_lens", [None, None])), seq_lens=variant.get("seq_lens"))
     try:
         expected = run_backend(torch_backend, variant["kernel"], case).float()
         got = run_backend(triton_backend, variant["kernel"], case).float()

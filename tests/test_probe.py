@@ -439,9 +439,10 @@ def test_step_3_covers_every_default_format_binary_and_fp8_samples(monkeypatch):
     assert {e["dtype"] for e in chosen if e["kernel"] == "v1"} == {"float32", "float16", "bfloat16"}
 
 
-def test_step_3_v1_cases_split_so_the_split_reduce_runs(monkeypatch):
-    # Step 3's v1 call must reach v1's split path (attention into float32 splits, then their reduce) on a
-    # BI-V100's figures and on the interpreter's: a 53-token case ran as one split, so the reduce went unprobed.
+def test_step_3_v1_cases_split_so_both_split_reduces_run(monkeypatch):
+    # Step 3's v1 calls must reach both of v1's split paths on a BI-V100's figures and on the interpreter's: the
+    # splits combined in the attention launch, and (default cache format) more splits than that takes, which
+    # _reduce_kernel combines. A 53-token case once ran as one split, so the reduce went unprobed.
     import torch
 
     from biv100_patch.kernels import configs, contract, limits, paged_attention_triton
@@ -452,14 +453,21 @@ def test_step_3_v1_cases_split_so_the_split_reduce_runs(monkeypatch):
     for device_limits in (bi_v100, configs.INTERPRETER_LIMITS):
         monkeypatch.setattr(steps, "device_limits", lambda context: device_limits)
         v1_cases = [e for e in steps._kernel_variants({"device": {"index": 0}}) if e["kernel"] == "v1"]
-        assert v1_cases
+        paths = set()
         for entry in v1_cases:
+            seq_lens = entry.get("seq_lens")
             case = steps.make_paged_case(kernel="v1", head_size=entry["head_size"], block_size=entry["block_size"],
                                          dtype=steps.DTYPES[entry["dtype"]], kv_cache_dtype=entry["kv_cache_dtype"],
-                                         num_heads=entry["num_heads"], num_kv_heads=entry["num_kv_heads"])
+                                         num_heads=entry["num_heads"], num_kv_heads=entry["num_kv_heads"],
+                                         num_seqs=len(seq_lens or [0, 0]), seq_lens=seq_lens)
             call = contract.check_call(torch.empty_like(case["query"]), **case)
-            splits = paged_attention_triton._plan(call, device_limits).splits_for(call)[0]  # the backend's own plan
+            plan = paged_attention_triton._plan(call, device_limits)  # the backend's own plan
+            splits = plan.splits_for(call)[0]
             assert splits > 1, entry
+            paths.add((entry["dtype"], entry["kv_cache_dtype"], "fused" if splits <= plan.fused_splits else "reduce"))
+        dtypes = ("float32", "float16", "bfloat16")
+        assert paths == {(dtype, fmt, "fused") for dtype in dtypes for fmt in ("auto", "fp8_e4m3", "fp8_e5m2")} | {
+            (dtype, "auto", "reduce") for dtype in dtypes}
 
 
 @pytest.mark.parametrize("largest, fits", [(49152, True), (49153, False)])
