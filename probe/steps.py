@@ -163,10 +163,23 @@ V1_PROBE_HEAD_SIZE, V1_PROBE_BLOCK_SIZE = 128, 16
 V1_REDUCE_PROBE_TOKENS = 1061
 
 
+def _v2_batch_without_subsplits(limits, block_n):
+    """The fewest sequences (a power of 2) for which the v2 case keeps vLLM's partitions whole: the attention
+    writes ``tmp_out`` itself and ``_reduce_kernel`` combines it, as in a large decode batch (smaller grids cut
+    the partitions into sub-splits, which another kernel combines)."""
+    from biv100_patch.kernels import configs
+
+    seqs = 2
+    while configs.choose_subsplits(limits, seqs, 2, contract.PARTITION_SIZE, block_n) > 1:
+        seqs *= 2
+    return seqs
+
+
 def _kernel_variants(context):
     """The variants step 3 runs: one per distinct compiled attention kernel (see above), each as a
     v2 call (attention + reduce), plus a v1 call per query dtype and cache format (its splits combined in
-    the attention launch) and, for the default format, a long one-sequence v1 call (through the reduce kernel)."""
+    the attention launch) and, for the default format, per query dtype: a long one-sequence v1 call (through
+    the reduce kernel) and a v2 call of as many sequences as keep its partitions whole."""
     from biv100_patch.kernels import configs, variants
 
     limits = device_limits(context) or configs.INTERPRETER_LIMITS
@@ -197,6 +210,7 @@ def _kernel_variants(context):
             chosen.append(dict(entry, kernel="v1"))
             if variant.kv_cache_dtype == "auto":
                 chosen.append(dict(entry, kernel="v1", seq_lens=[V1_REDUCE_PROBE_TOKENS]))
+                chosen.append(dict(entry, num_seqs=_v2_batch_without_subsplits(limits, variant.config.block_n)))
     return chosen
 
 
@@ -208,7 +222,8 @@ def _compare_variant(triton_backend, torch_backend, device, variant):
                            block_size=variant["block_size"], dtype=dtype,
                            kv_cache_dtype=variant["kv_cache_dtype"], device=device,
                            num_heads=variant.get("num_heads", 4), num_kv_heads=variant.get("num_kv_heads", 2),
-                           num_seqs=len(variant.get("seq_lens", [None, None])), seq_lens=variant.get("seq_lens"))
+                           num_seqs=variant.get("num_seqs") or len(variant.get("seq_lens", [None, None])),
+                           seq_lens=variant.get("seq_lens"))
     try:
         expected = run_backend(torch_backend, variant["kernel"], case).float()
         got = run_backend(triton_backend, variant["kernel"], case).float()

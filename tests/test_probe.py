@@ -432,8 +432,9 @@ def test_step_3_covers_every_default_format_binary_and_fp8_samples(monkeypatch):
     chosen = steps._kernel_variants({"device": {"index": 0}})
     keys = {v.compile_key() for v in variants.variant_list(bi_v100)
             if v.kernel == "attention" and v.kv_cache_dtype == "auto"}
-    covered = {(e["dtype"], e["block_size"]) for e in chosen if e["kv_cache_dtype"] == "auto" and e["kernel"] == "v2"}
-    assert len([e for e in chosen if e["kv_cache_dtype"] == "auto" and e["kernel"] == "v2"]) == len(keys)
+    binary_calls = [e for e in chosen if e["kv_cache_dtype"] == "auto" and e["kernel"] == "v2" and "num_seqs" not in e]
+    covered = {(e["dtype"], e["block_size"]) for e in binary_calls}
+    assert len(binary_calls) == len(keys)
     assert covered == {(dtype, block) for dtype in ("float32", "float16", "bfloat16") for block in (8, 16, 32)}
     assert {e["kv_cache_dtype"] for e in chosen} == {"auto", "fp8_e4m3", "fp8_e5m2"}
     assert {e["dtype"] for e in chosen if e["kernel"] == "v1"} == {"float32", "float16", "bfloat16"}
@@ -468,6 +469,42 @@ def test_step_3_v1_cases_split_so_both_split_reduces_run(monkeypatch):
         dtypes = ("float32", "float16", "bfloat16")
         assert paths == {(dtype, fmt, "fused") for dtype in dtypes for fmt in ("auto", "fp8_e4m3", "fp8_e5m2")} | {
             (dtype, "auto", "reduce") for dtype in dtypes}
+
+
+def test_step_3_runs_a_v2_batch_whose_partitions_stay_whole(monkeypatch):
+    # Small v2 grids cut vLLM's partitions into sub-splits (another kernel combines them); a large batch keeps
+    # them whole and goes through _reduce_kernel on vLLM's tmp_out. Step 3 reaches both, per query dtype.
+    import torch
+
+    from biv100_patch.kernels import configs, contract, limits, paged_attention_triton
+    from biv100_patch.probe import steps
+
+    bi_v100 = limits.DeviceLimits(shared_memory_per_block=49152, multiprocessor_count=16, warp_size=64,
+                                  capability=(7, 0))
+    h200 = limits.DeviceLimits(shared_memory_per_block=232448, multiprocessor_count=132, warp_size=32,
+                               capability=(9, 0))
+    for device_limits in (bi_v100, configs.INTERPRETER_LIMITS, h200):
+        monkeypatch.setattr(steps, "device_limits", lambda context: device_limits)
+        chosen = steps._kernel_variants({"device": {"index": 0}})
+        batches = [e for e in chosen if e["kernel"] == "v2" and "num_seqs" in e]
+        assert sorted(e["dtype"] for e in batches) == ["bfloat16", "float16", "float32"]
+        for batch in batches:
+            binary = next(e for e in chosen if e["kernel"] == "v2" and "num_seqs" not in e
+                          and e["variant_key"] == batch["variant_key"])
+            subs = []
+            for entry in (binary, batch):
+                case = steps.make_paged_case(kernel="v2", head_size=entry["head_size"],
+                                             block_size=entry["block_size"], dtype=steps.DTYPES[entry["dtype"]],
+                                             num_heads=entry["num_heads"], num_kv_heads=1,
+                                             num_seqs=entry.get("num_seqs", 2))
+                out = torch.empty_like(case["query"])
+                partitions = -(-case["max_seq_len"] // contract.PARTITION_SIZE)
+                call = contract.check_call(out, **case, exp_sums=torch.empty(*out.shape[:2], partitions),
+                                           max_logits=torch.empty(*out.shape[:2], partitions),
+                                           tmp_out=torch.empty(*out.shape[:2], partitions, out.shape[2],
+                                                               dtype=out.dtype))
+                subs.append(paged_attention_triton._plan(call, device_limits).splits_for(call)[2])
+            assert subs[0] > 1 and subs[1] == 1, (device_limits, batch, subs)
 
 
 @pytest.mark.parametrize("largest, fits", [(49152, True), (49153, False)])
