@@ -507,6 +507,24 @@ def test_step_3_runs_a_v2_batch_whose_partitions_stay_whole(monkeypatch):
             assert subs[0] > 1 and subs[1] == 1, (device_limits, batch, subs)
 
 
+def test_step_3_reduce_kernel_cases_match_the_pytorch_backend(monkeypatch, device):
+    # The long v1 call and the v2 batch, run as step 3 runs them (the interpreter on a CPU): both backends agree.
+    from biv100_patch.kernels import configs, get_backend, limits
+    from biv100_patch.probe import steps
+
+    device_limits = (limits.DeviceLimits.from_torch_device(device) if device.type == "cuda"
+                     else configs.INTERPRETER_LIMITS)
+    monkeypatch.setattr(steps, "device_limits", lambda context: device_limits)
+    cases = [e for e in steps._kernel_variants({"device": {"index": 0}})
+             if e["dtype"] == "float16" and ("num_seqs" in e or "seq_lens" in e)]
+    assert sorted(e["kernel"] for e in cases) == ["v1", "v2"]
+    triton_backend, torch_backend = get_backend("triton", limits=device_limits), get_backend("torch")
+    for entry in cases:
+        found = steps._compare_variant(triton_backend, torch_backend, device, entry)
+        assert found["ok"] and "error" not in found, found
+        assert found["max_abs_diff"] > 0, found  # a real comparison ran
+
+
 @pytest.mark.parametrize("largest, fits", [(49152, True), (49153, False)])
 def test_step_4_judges_the_binaries_step_3_compiled_in_its_workers(monkeypatch, largest, fits):
     from biv100_patch.kernels import limits
