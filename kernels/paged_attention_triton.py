@@ -941,7 +941,7 @@ def _launch(call, plan):
                           (out,) + parts + (tmp, exp_sums, max_logits, seq_lens),
                           lambda: dict(SUBS=subs, PARTS_BLOCK=tile[0], DIMS_BLOCK=tile[1],
                                        num_warps=configs.REDUCE_NUM_WARPS, num_stages=1))
-    elif partial and not fused:  # v2's partitions, one per program
+    elif partial and not fused:  # v2's partitions, or v1's splits past one combine tile
         reduce_aligned = _alignment((out_at, tmp_at, sums_at, max_at, lens_at))
         args = (out_at, *out_strides, tmp_at, *tmp_strides, sums_at, *sum_strides, max_at, *max_strides, lens_at,
                 call.head_size, call.block_size, block_tables.shape[1], call.max_seq_len, tokens_per_split,

@@ -214,16 +214,22 @@ def _kernel_variants(context):
     return chosen
 
 
+def variant_case(variant, device="cpu"):
+    """The paged case step 3 runs for one of ``_kernel_variants``' entries (its ``seq_lens`` or ``num_seqs``
+    where it names them, else ``make_paged_case``'s two sequences)."""
+    seq_lens = variant.get("seq_lens")
+    return make_paged_case(kernel=variant["kernel"], head_size=variant["head_size"],
+                           block_size=variant["block_size"], dtype=DTYPES[variant["dtype"]],
+                           kv_cache_dtype=variant["kv_cache_dtype"], device=device,
+                           num_heads=variant.get("num_heads", 4), num_kv_heads=variant.get("num_kv_heads", 2),
+                           num_seqs=len(seq_lens) if seq_lens else variant.get("num_seqs", 2), seq_lens=seq_lens)
+
+
 def _compare_variant(triton_backend, torch_backend, device, variant):
     """One variant's call on both backends; the entry for the record, with ``ok`` and any error."""
     dtype = DTYPES[variant["dtype"]]
     entry = dict(variant)
-    case = make_paged_case(kernel=variant["kernel"], head_size=variant["head_size"],
-                           block_size=variant["block_size"], dtype=dtype,
-                           kv_cache_dtype=variant["kv_cache_dtype"], device=device,
-                           num_heads=variant.get("num_heads", 4), num_kv_heads=variant.get("num_kv_heads", 2),
-                           num_seqs=variant.get("num_seqs") or len(variant.get("seq_lens", [None, None])),
-                           seq_lens=variant.get("seq_lens"))
+    case = variant_case(variant, device)
     try:
         expected = run_backend(torch_backend, variant["kernel"], case).float()
         got = run_backend(triton_backend, variant["kernel"], case).float()

@@ -456,11 +456,7 @@ def test_step_3_v1_cases_split_so_both_split_reduces_run(monkeypatch):
         v1_cases = [e for e in steps._kernel_variants({"device": {"index": 0}}) if e["kernel"] == "v1"]
         paths = set()
         for entry in v1_cases:
-            seq_lens = entry.get("seq_lens")
-            case = steps.make_paged_case(kernel="v1", head_size=entry["head_size"], block_size=entry["block_size"],
-                                         dtype=steps.DTYPES[entry["dtype"]], kv_cache_dtype=entry["kv_cache_dtype"],
-                                         num_heads=entry["num_heads"], num_kv_heads=entry["num_kv_heads"],
-                                         num_seqs=len(seq_lens or [0, 0]), seq_lens=seq_lens)
+            case = steps.variant_case(entry)
             call = contract.check_call(torch.empty_like(case["query"]), **case)
             plan = paged_attention_triton._plan(call, device_limits)  # the backend's own plan
             splits = plan.splits_for(call)[0]
@@ -493,10 +489,7 @@ def test_step_3_runs_a_v2_batch_whose_partitions_stay_whole(monkeypatch):
                           and e["variant_key"] == batch["variant_key"])
             subs = []
             for entry in (binary, batch):
-                case = steps.make_paged_case(kernel="v2", head_size=entry["head_size"],
-                                             block_size=entry["block_size"], dtype=steps.DTYPES[entry["dtype"]],
-                                             num_heads=entry["num_heads"], num_kv_heads=1,
-                                             num_seqs=entry.get("num_seqs", 2))
+                case = steps.variant_case(entry)
                 out = torch.empty_like(case["query"])
                 partitions = -(-case["max_seq_len"] // contract.PARTITION_SIZE)
                 call = contract.check_call(out, **case, exp_sums=torch.empty(*out.shape[:2], partitions),
