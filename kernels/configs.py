@@ -56,6 +56,11 @@ FUSED_REDUCE_MAX_ROUNDS = 1
 # 8% faster (14.4 -> 13.3) and grouped rows' tiles of 8 splits x 4 heads 5-12% faster
 # (results/nvidia-h100-80gb-hbm3/triton_ab-fused-onetile.json, triton_ab-mha-tile8-vs-unfused.json).
 FUSED_REDUCE_MAX_TILE_SPLITS = 8
+# v1 rows whose splits would overflow the fused tile take the tile's count instead where the grid still gives
+# every SM a program and splits stay at most this long: the reduce launch saved outweighs the parallelism
+# given up (H100, .device split_cap_sweep: MHA 1 x 1024 16 -> 8 splits 18.7 -> 16.5 us, (64, 8) 8 x 512
+# 8 -> 4 splits 19.7 -> 17.6; with fewer programs than SMs it lost: (64, 8) 1 x 512 12.7 -> 14.2).
+FUSED_CAP_MAX_TOKENS = 512
 # Registers per thread that the fused combine's tile may take (float32).
 COMBINE_REGISTERS = 128
 REDUCE_NUM_WARPS = 4
@@ -210,13 +215,17 @@ def attention_key(head_size, block_size, dtype, kv_cache_dtype, config):
             str(dtype).replace("torch.", ""), kv_cache_dtype, *dataclasses.astuple(config)]
 
 
-def choose_splits(limits, programs, max_seq_len, block_n):
+def choose_splits(limits, programs, max_seq_len, block_n, fused_splits=1):
     """v1's split-KV: ``(num_splits, tokens_per_split)``. As many splits as a wave of ``PROGRAMS_PER_SM``
     programs per SM holds, each at least ``MIN_TOKENS_PER_SPLIT`` long; one split when the grid already
-    fills the wave."""
+    fills the wave. Short rows take at most ``fused_splits`` (what the attention launch reduces itself)
+    where that still gives every SM a program (``FUSED_CAP_MAX_TOKENS``)."""
     wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     most = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(wave // max(programs, 1), most, REDUCE_MAX_SPLITS))
+    if (fused_splits < splits and programs * fused_splits >= limits.multiprocessor_count
+            and max_seq_len <= fused_splits * FUSED_CAP_MAX_TOKENS):
+        splits = fused_splits
     if splits == 1:
         return 1, max(max_seq_len, 1)
     tokens = -(-max_seq_len // splits)

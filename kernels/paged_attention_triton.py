@@ -788,7 +788,7 @@ class _Plan:
                 found = (partitions * subs, PARTITION_SIZE // subs, subs, tile)
             else:
                 splits, tokens = configs.choose_splits(self.limits, self.programs, call.max_seq_len,
-                                                       self.config.block_n)
+                                                       self.config.block_n, self.fused_splits)
                 found = (splits, tokens, 1, configs.reduce_tile(splits, call.head_size))
             if len(self.splits) > 4096:  # one entry per max_seq_len seen: keep it bounded
                 self.splits.clear()

@@ -158,9 +158,9 @@ def run_backend(backend, kernel, case):
 # call by the patcher's runtime fallback.
 FP8_PROBE_HEAD_SIZE, FP8_PROBE_BLOCK_SIZE = 128, 16
 V1_PROBE_HEAD_SIZE, V1_PROBE_BLOCK_SIZE = 128, 16
-# A one-sequence v1 call of 1061 tokens: 14 splits on a BI-V100, an H200 or the interpreter's limits, more than
-# a fused combine takes (configs.FUSED_REDUCE_MAX_TILE_SPLITS), so v1's reduce kernel runs too.
-V1_REDUCE_PROBE_TOKENS = 1061
+# A one-sequence v1 call this many tokens past the longest row that v1 caps at a fused combine's splits: its
+# splits (16 or more on a BI-V100, an H200 or the interpreter's limits) go through v1's reduce kernel.
+V1_REDUCE_PROBE_EXTRA_TOKENS = 37
 
 
 def _v2_batch_without_subsplits(limits, block_n):
@@ -183,6 +183,7 @@ def _kernel_variants(context):
     from biv100_patch.kernels import configs, variants
 
     limits = device_limits(context) or configs.INTERPRETER_LIMITS
+    reduce_tokens = configs.FUSED_REDUCE_MAX_TILE_SPLITS * configs.FUSED_CAP_MAX_TOKENS + V1_REDUCE_PROBE_EXTRA_TOKENS
     chosen, seen, v1_done = [], set(), set()
     for variant in variants.variant_list(limits):
         if variant.kernel != "attention":
@@ -209,7 +210,7 @@ def _kernel_variants(context):
             v1_done.add(v1_key)
             chosen.append(dict(entry, kernel="v1"))
             if variant.kv_cache_dtype == "auto":
-                chosen.append(dict(entry, kernel="v1", seq_lens=[V1_REDUCE_PROBE_TOKENS]))
+                chosen.append(dict(entry, kernel="v1", seq_lens=[reduce_tokens]))
                 chosen.append(dict(entry, num_seqs=_v2_batch_without_subsplits(limits, variant.config.block_n)))
     return chosen
 

@@ -128,6 +128,22 @@ def test_v1_fuses_at_most_one_tile_of_eight_splits(monkeypatch, device):
         golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
 
 
+def test_v1_short_rows_take_the_fused_tiles_split_count(monkeypatch, device):
+    # 16 SMs: MHA's 4 programs x 1200 tokens would take 15 splits (a reduce launch); 8 still give every SM a
+    # program, so the row takes 8 and reduces them in the attention launch, matching the reference.
+    limits = DeviceLimits(48 * 1024, 16, 32, (7, 0))
+    reduce, reduces = paged_attention_triton._reduce, []
+    monkeypatch.setattr(paged_attention_triton, "_reduce", lambda *args: reduces.append(1) or reduce(*args))
+    inputs = golden.random_case(torch.float16, 64, 16, 4, 4, [1200], poison=True)
+    outputs = golden.run_op(get_backend("triton", limits=limits), inputs, "v1", device)
+    assert reduces == []
+    golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
+    config = configs.choose_config(limits, 64, 16, torch.float16, "auto", 1)
+    fused = configs.combine_tile(config, 1, 64, limits.warp_size)[1]
+    assert fused == 8 and configs.choose_splits(limits, 4, 1200, config.block_n) == (15, 80)
+    assert configs.choose_splits(limits, 4, 1200, config.block_n, fused)[0] == 8
+
+
 @pytest.mark.parametrize("dtype,block_size,kv_cache_dtype", [(torch.float16, 16, "auto"), (torch.bfloat16, 8, "auto"),
                                                               (torch.float32, 32, "fp8_e5m2")])
 def test_v2_sub_splits_match_reference(dtype, block_size, kv_cache_dtype, device):
@@ -221,6 +237,11 @@ def test_split_kv_is_planned_from_the_sm_count():
     assert configs.choose_splits(many, 8, 512, 16) == (8, 64)  # short: split down to 64 tokens
     assert configs.choose_splits(many, 8, 100, 16) == (1, 100)  # too short to split
     assert configs.choose_splits(many, 1, 10 ** 6, 16)[0] == configs.REDUCE_MAX_SPLITS  # one reduce load
+    # at most the fused tile's splits where they still fill every SM and stay short
+    assert configs.choose_splits(many, 64, 512, 16, 4) == (4, 128)     # (64, 8) 8 x 512: 256 programs
+    assert configs.choose_splits(many, 8, 512, 16, 4) == (8, 64)       # 1 x 512: 32 would idle 100 SMs
+    assert configs.choose_splits(many, 32, 4096, 16, 8) == (8, 512)    # MHA 1 x 4096
+    assert configs.choose_splits(many, 32, 8192, 16, 8) == (16, 512)  # 1024-token splits: too long
 
 
 def test_bi_v100_limits_pick_48kb_configs_with_one_warp_of_64():
