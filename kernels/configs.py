@@ -58,9 +58,10 @@ FUSED_REDUCE_MAX_ROUNDS = 1
 FUSED_REDUCE_MAX_TILE_SPLITS = 8
 # v1 rows whose splits would overflow the fused tile take the tile's count instead where the grid still gives
 # every SM a program and splits stay at most this long: the reduce launch saved outweighs the parallelism
-# given up (H100, .device split_cap_sweep: MHA 1 x 1024 16 -> 8 splits 18.7 -> 16.5 us, (64, 8) 8 x 512
-# 8 -> 4 splits 19.7 -> 17.6; with fewer programs than SMs it lost: (64, 8) 1 x 512 12.7 -> 14.2).
-FUSED_CAP_MAX_TOKENS = 512
+# given up (H100, results/nvidia-h100-80gb-hbm3/split_cap_sweep*.json: MHA 1 x 1024 16 -> 8 splits 18.7 -> 16.5
+# us, (64, 8) 8 x 512 8 -> 4 splits 19.7 -> 17.6; with fewer programs than SMs it lost, (64, 8) 1 x 512 12.7 ->
+# 14.2, and so did 512-token splits, (64, 8) 6 x 2048 35.2 -> 38.1).
+FUSED_CAP_MAX_TOKENS = 256
 # Registers per thread that the fused combine's tile may take (float32).
 COMBINE_REGISTERS = 128
 REDUCE_NUM_WARPS = 4

@@ -240,8 +240,8 @@ def test_split_kv_is_planned_from_the_sm_count():
     # at most the fused tile's splits where they still fill every SM and stay short
     assert configs.choose_splits(many, 64, 512, 16, 4) == (4, 128)     # (64, 8) 8 x 512: 256 programs
     assert configs.choose_splits(many, 8, 512, 16, 4) == (8, 64)       # 1 x 512: 32 would idle 100 SMs
-    assert configs.choose_splits(many, 32, 4096, 16, 8) == (8, 512)    # MHA 1 x 4096
-    assert configs.choose_splits(many, 32, 8192, 16, 8) == (16, 512)  # 1024-token splits: too long
+    assert configs.choose_splits(many, 32, 2048, 16, 8) == (8, 256)    # MHA 1 x 2048
+    assert configs.choose_splits(many, 32, 4096, 16, 8) == (16, 256)  # 512-token splits: too long
 
 
 def test_bi_v100_limits_pick_48kb_configs_with_one_warp_of_64():
