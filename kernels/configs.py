@@ -220,7 +220,7 @@ def choose_splits(limits, programs, max_seq_len, block_n, fused_splits=1):
     """v1's split-KV: ``(num_splits, tokens_per_split)``. As many splits as a wave of ``PROGRAMS_PER_SM``
     programs per SM holds, each at least ``MIN_TOKENS_PER_SPLIT`` long; one split when the grid already
     fills the wave. Short rows take at most ``fused_splits`` (what the attention launch reduces itself)
-    where that still gives every SM a program (``FUSED_CAP_MAX_TOKENS``)."""
+    where that still gives every SM a program and splits of at most ``FUSED_CAP_MAX_TOKENS``."""
     wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     most = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(wave // max(programs, 1), most, REDUCE_MAX_SPLITS))
