@@ -214,7 +214,7 @@ def _compile_one(variant, capability, warp_size, through):
         from . import paged_attention_triton as kernels
 
         if variant.kernel == "attention":
-            fn, constants, options = _attention_source(kernels, variant)
+            fn, constants, options = _attention_source(kernels, variant, warp_size)
         elif variant.kernel == "partition":
             fn, constants, options = _partition_source(kernels, variant)
         else:
@@ -268,7 +268,7 @@ def _compile_triton_2(fn, signature, constexprs, options, capability, through):
     return int(metadata["shared"])
 
 
-def _attention_source(kernels, variant):
+def _attention_source(kernels, variant, warp_size):
     config = variant.config
     x = 16 if variant.kv_cache_dtype != "auto" else 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[variant.dtype]
     constants = dict(HEADS_BLOCK=config.heads_block, HEAD_PAD=configs._next_power_of_2(variant.head_size),
@@ -279,7 +279,8 @@ def _attention_source(kernels, variant):
                      UNMASKED_STEPS=configs.unmasked_steps(config, variant.head_size),
                      KEY_ROWS=configs.key_rows(config, variant.block_size),
                      COMBINE_ROWS=config.heads_block,  # the most registers a group's combine takes
-                     COMBINE_SPLITS=configs.combine_tile(config, config.heads_block, variant.head_size, 32)[1])
+                     COMBINE_SPLITS=configs.combine_tile(config, config.heads_block, variant.head_size,
+                                                         warp_size)[1])
     return kernels._attention_kernel, constants, dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
 

@@ -71,6 +71,21 @@ def test_the_subset_reaches_every_attention_config_and_both_ends_of_the_heads():
             assert whole <= {(v.config, v.dtype) for v in subset if v.kernel == kernel}
 
 
+def test_the_fused_combine_is_compiled_for_the_targets_warp():
+    # The combine tile depends on the threads of a warp: a BI-V100's 64 hold twice the splits of 32.
+    from kernels import paged_attention_triton
+
+    attention = [v for v in LISTED if v.kernel == "attention"]
+    differs = 0
+    for variant in attention:
+        tiles = [variants._attention_source(paged_attention_triton, variant, warp)[1]["COMBINE_SPLITS"]
+                 for warp in (32, 64)]
+        assert tiles == [configs.combine_tile(variant.config, variant.config.heads_block, variant.head_size, warp)[1]
+                         for warp in (32, 64)], variant
+        differs += tiles[0] != tiles[1]
+    assert differs > 0
+
+
 def test_variants_cover_the_whole_contract():
     attention = {(v.head_size, v.block_size, v.dtype, v.kv_cache_dtype) for v in LISTED if v.kernel == "attention"}
     assert attention == {(h, b, d, f) for h in contract.HEAD_SIZES for b in contract.BLOCK_SIZES
