@@ -139,7 +139,7 @@ from kernels import configs, paged_attention_triton, variants
 use_dot, prefetch, stages, warps = json.loads(sys.argv[1])
 config = configs.KernelConfig(16, 16 if use_dot else 1, warps, stages, use_dot, prefetch)
 variant = variants.Variant("attention", 128, 16, "float16", "auto", config)
-fn, constants, options = variants._attention_source(paged_attention_triton, variant)
+fn, constants, options = variants._attention_source(paged_attention_triton, variant, 32)
 signature, constexprs, attrs = variants._signature(fn, variant, constants)
 # What a launch on vLLM's tensors specialises: strides that are multiples of 16 (not K's slot stride, x = 8).
 for i, name in enumerate(fn.arg_names):
