@@ -113,30 +113,34 @@ def test_v1_reduces_its_splits_in_the_attention_launch(monkeypatch, device):
                                    golden.random_tolerance(inputs))
 
 
-def test_v1_fuses_at_most_one_tile_of_eight_splits(monkeypatch, device):
+@pytest.fixture
+def reduce_launches(monkeypatch):
+    """One entry per ``_reduce_kernel`` launch, which still runs."""
+    reduce, launches = paged_attention_triton._reduce, []
+    monkeypatch.setattr(paged_attention_triton, "_reduce", lambda *args: launches.append(1) or reduce(*args))
+    return launches
+
+
+def test_v1_fuses_at_most_one_tile_of_eight_splits(reduce_launches, device):
     # MHA: 300 tokens in 4 splits are combined in the attention launch (a one-row tile of 8 splits); 1200 in 15
     # go to _reduce_kernel. Both match the reference.
-    reduce, reduces = paged_attention_triton._reduce, []
-    monkeypatch.setattr(paged_attention_triton, "_reduce", lambda *args: reduces.append(1) or reduce(*args))
     config = configs.choose_config(SPLITTING_LIMITS, 64, 16, torch.float16, "auto", 1)
     assert configs.combine_tile(config, 1, 64, SPLITTING_LIMITS.warp_size) == (1, 8)
     for seq_lens, expected_reduces in (([300, 40], []), ([1200], [1])):
-        reduces.clear()
+        reduce_launches.clear()
         inputs = golden.random_case(torch.float16, 64, 16, 4, 4, seq_lens, poison=True)
         outputs = golden.run_op(SPLITTING, inputs, "v1", device)
-        assert reduces == expected_reduces, seq_lens
+        assert reduce_launches == expected_reduces, seq_lens
         golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
 
 
-def test_v1_short_rows_take_the_fused_tiles_split_count(monkeypatch, device):
+def test_v1_short_rows_take_the_fused_tiles_split_count(reduce_launches, device):
     # 16 SMs: MHA's 4 programs x 1200 tokens would take 15 splits (a reduce launch); 8 still give every SM a
     # program, so the row takes 8 and reduces them in the attention launch, matching the reference.
     limits = DeviceLimits(48 * 1024, 16, 32, (7, 0))
-    reduce, reduces = paged_attention_triton._reduce, []
-    monkeypatch.setattr(paged_attention_triton, "_reduce", lambda *args: reduces.append(1) or reduce(*args))
     inputs = golden.random_case(torch.float16, 64, 16, 4, 4, [1200], poison=True)
     outputs = golden.run_op(get_backend("triton", limits=limits), inputs, "v1", device)
-    assert reduces == []
+    assert reduce_launches == []
     golden.check_against_reference(outputs, golden.reference_for(inputs), golden.random_tolerance(inputs))
     config = configs.choose_config(limits, 64, 16, torch.float16, "auto", 1)
     fused = configs.combine_tile(config, 1, 64, limits.warp_size)[1]
