@@ -6,7 +6,7 @@ other checkout's ``kernels`` package (``git archive <commit> kernels | tar -x -C
 block 16, random block tables, full-length sequences, ``ab_torch_backend.make_call``) is one validated call
 timed with ``triton.testing.do_bench`` (median, L2 flushed before each call) in interleaved rounds: the
 baseline's ``forward``, this checkout's, and SDPA on the same K/V made contiguous; each row's figure is the
-median over rounds. Also per row: v1's split count (this checkout's plan), each version's host time per call
+median over rounds. Also per row: the split count of this checkout's plan (v2: partitions x sub-splits), each version's host time per call
 (CPU clock, ``_common.host_call_us``), its largest difference from SDPA, and how many of 100 repeated calls
 differ bit for bit from the first.
 Writes ``<results-dir>/triton_ab[-TAG].json`` and prints one line per row.
@@ -43,7 +43,23 @@ ROWS = (  # dtype, (query heads, kv heads), sequences, tokens, op
     ("fp16", (32, 32), 1, 1024, "v1"),
     ("fp16", (32, 32), 1, 2048, "v1"),
     ("bf16", (32, 8), 8, 512, "v1"),
+    # v2: vLLM's 512-token partitions, cut into sub-splits where the grid is small
+    ("fp16", (32, 8), 1, 2048, "v2"),
+    ("fp16", (32, 8), 2, 2048, "v2"),
+    ("fp16", (32, 8), 8, 2048, "v2"),
+    ("fp16", (32, 8), 1, 8192, "v2"),
+    ("fp16", (32, 8), 8, 8192, "v2"),
+    ("fp16", (32, 8), 1, 16384, "v2"),
+    ("fp16", (32, 8), 1, 32768, "v2"),
+    ("fp16", (64, 8), 8, 2048, "v2"),
+    ("fp16", (64, 8), 1, 8192, "v2"),
+    ("fp16", (64, 8), 1, 32768, "v2"),
+    ("fp16", (32, 32), 1, 2048, "v2"),
+    ("fp16", (32, 32), 1, 4096, "v2"),
+    ("fp16", (32, 32), 1, 8192, "v2"),
+    ("bf16", (32, 8), 1, 8192, "v2"),
 )
+ENTRY_POINTS = ("v1", "v2")
 REPEATS = 100
 
 
@@ -62,6 +78,8 @@ def main():
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench's repetition budget per timing (ms)")
     parser.add_argument("--results-dir", default=".", help="where triton_ab[-TAG].json goes (default: here)")
     parser.add_argument("--tag", default="", help="suffix of the results file name")
+    parser.add_argument("--entry", action="append", choices=ENTRY_POINTS,
+                        help="only the rows of this entry point (repeatable; default: v1 and v2)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds: must be at least 1; got {args.rounds}")
@@ -74,12 +92,13 @@ def main():
     limits = DeviceLimits.from_torch_device(device)
     forwards = {"baseline": baseline.make_forward(), "checkout": paged_attention_triton.make_forward()}
     results = []
-    for dtype, heads, seqs, tokens, op in ROWS:
+    entry_points = set(args.entry or ENTRY_POINTS)
+    for dtype, heads, seqs, tokens, op in (row for row in ROWS if row[4] in entry_points):
         call, kv_bytes = ab_torch_backend.make_call(ab_torch_backend.DTYPES[dtype], heads, seqs, tokens, op, device)
         sdpa = contiguous_sdpa(call)
         expected = sdpa().squeeze(2).float()
         entry = {"row": f"{dtype} {heads} {seqs}x{tokens} {op}", "kv_bytes": kv_bytes,
-                 "v1_splits": paged_attention_triton._plan(call, limits).splits_for(call)[0]}
+                 "splits": paged_attention_triton._plan(call, limits).splits_for(call)[0]}
         calls = {"sdpa": sdpa}
         for name, forward in forwards.items():
             call.out.fill_(float("nan"))
@@ -105,7 +124,7 @@ def main():
             entry[name]["rounds_us"] = timings
         entry["speedup"] = entry["baseline"]["us"] / entry["checkout"]["us"]
         before, after = entry["baseline"], entry["checkout"]
-        print(f"{entry['row']:30s} splits {entry['v1_splits']:3d}  {before['us']:7.2f} -> {after['us']:7.2f} us "
+        print(f"{entry['row']:30s} splits {entry['splits']:3d}  {before['us']:7.2f} -> {after['us']:7.2f} us "
               f"({entry['speedup']:.2f}x, SDPA {entry['sdpa']['us']:7.2f})  host {before['host_us']:5.1f} -> "
               f"{after['host_us']:5.1f} us  diff vs SDPA {before['max_abs_diff_vs_sdpa']:.1e} / "
               f"{after['max_abs_diff_vs_sdpa']:.1e}  repeats differing {before['repeats_differing']} / "

@@ -32,6 +32,14 @@ def test_bad_arguments_name_the_argument(script, tmp_path):
     assert result.returncode == 1 and "holds no kernels/__init__.py" in result.stderr
 
 
+def test_entry_points_are_checked(harnesses, tmp_path):
+    _, ab_triton_backend = harnesses
+    assert {row[4] for row in ab_triton_backend.ROWS} == set(ab_triton_backend.ENTRY_POINTS)
+    run = [sys.executable, str(BENCHMARKS / "ab_triton_backend.py"), "--baseline", str(tmp_path), "--entry", "v3"]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "argument --entry: invalid choice: 'v3'" in result.stderr
+
+
 def test_baseline_loads_as_its_own_package(harnesses, tmp_path):
     ab_torch_backend, _ = harnesses
     subprocess.run(f"git -C {REPO_ROOT} archive HEAD kernels | tar -x -C {tmp_path}", shell=True, check=True)
