@@ -40,9 +40,11 @@ PIPELINE_STAGES = (3, 2)  # most preferred first
 # v1's splits fill a wave of 4 programs per SM: with K loaded in memory order the sweep of split counts
 # (mid_splits.json, pps.json) was fastest at ~512 programs on the H200's 132 SMs, e.g. grouped 32 x 2048
 # 2 splits 79.3 us, 4 splits 81.9; (64, 8) 32 x 2048 81.6 us at 4 per SM against 86.4 at 8; 8 x 8192
-# 79.4 (8 splits) against 80.7 (16). v2's sub-splits keep 8 per SM: at 4, 1 x 32768 went 50.8 -> 51.6 us.
+# 79.4 (8 splits) against 80.7 (16). v2's sub-splits fill the same wave: an H100 sweep of their count on 27
+# v2 rows (results/nvidia-h100-80gb-hbm3/v2_subs_sweep.json) found 8 per SM 0.5-1.4 us slower than 4 on 16
+# rows (grouped 1 x 8192 27.3 -> 26.5 us, 8 x 2048 41.9 -> 40.6, MHA 1 x 2048 26.9 -> 26.1) and no row faster
+# by more than 0.4 us; an earlier H200 run of 1 x 32768 alone had 8 per SM 0.8 us ahead (51.6 -> 50.8).
 PROGRAMS_PER_SM = 4
-SUBSPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SUBSPLITS = 8  # v2: a 512-token partition in 64-token sub-splits at most
 # v1's splits are reduced by the program that finishes last, in the attention launch, when its combine loads
@@ -239,10 +241,10 @@ def choose_subsplits(limits, programs, partitions, partition_size, block_n):
     programs, each at least ``MIN_TOKENS_PER_SPLIT`` tokens and a whole number of steps. On the H200 they took
     grouped-query 1 x 2048 from 31 to 17 us and 1 x 8192 from 57 to 32 us (two bench runs of 2026-12-03).
     They used to stop where the partitions alone gave a program per SM, because a separate partition kernel
-    cost 3-9 us; with the combine and the reduce in one kernel, sub-splits up to half a wave won there too
+    cost 3-9 us; with the combine and the reduce in one kernel, sub-splits won there too
     (results/nvidia-h200/v2_subs.json): 8 x 2048 and 1 x 16384 grouped 39 -> 33 us, 1 x 32768 51.5 -> 50.1
-    us, MHA 1 x 8192 49.1 -> 49.6 us."""
-    wave = limits.multiprocessor_count * SUBSPLIT_PROGRAMS_PER_SM
+    us, MHA 1 x 8192 49.1 -> 49.6 us. The wave is v1's (``PROGRAMS_PER_SM``), no longer twice it: see there."""
+    wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     subs = 1
     while (subs < MAX_SUBSPLITS and programs * partitions * subs * 2 <= wave
            and _next_power_of_2(partitions) * subs * 2 <= REDUCE_MAX_SPLITS  # one tile in partition_reduce_tile

@@ -161,12 +161,13 @@ def test_v2_sub_splits_match_reference(dtype, block_size, kv_cache_dtype, device
 def test_v2_sub_splits_are_planned_from_the_wave():
     many = DeviceLimits(228 * 1024, 132, 32, (9, 0))
     assert configs.choose_subsplits(many, 8, 4, 512, 16) == 8       # 1 x 2048 grouped: 32 -> 256 programs
-    assert configs.choose_subsplits(many, 8, 16, 512, 16) == 8      # 1 x 8192: 128 -> 1024 programs
-    assert configs.choose_subsplits(many, 8, 64, 512, 16) == 2      # 1 x 32768: 512 -> 1024 programs, one wave
+    assert configs.choose_subsplits(many, 8, 16, 512, 16) == 4      # 1 x 8192: 128 -> 512 programs, 132 SMs x 4
+    assert configs.choose_subsplits(many, 64, 4, 512, 16) == 2      # 8 x 2048: 256 -> 512 programs
+    assert configs.choose_subsplits(many, 8, 64, 512, 16) == 1      # 1 x 32768: 512 programs already
     assert configs.choose_subsplits(many, 64, 16, 512, 16) == 1     # 8 x 8192: 1024 programs already
     assert configs.choose_subsplits(many, 1, 1, 512, 32) == configs.MAX_SUBSPLITS
-    assert configs.choose_subsplits(BI_V100, 8, 4, 512, 16) == 4    # 32 -> 128 programs: 16 SMs x 8
-    assert configs.choose_subsplits(BI_V100, 2, 2, 512, 16) == 8    # 4 programs: 16 SMs x 8 hold 32
+    assert configs.choose_subsplits(BI_V100, 8, 4, 512, 16) == 2    # 32 -> 64 programs: 16 SMs x 4
+    assert configs.choose_subsplits(BI_V100, 2, 2, 512, 16) == 8    # 4 programs x 2 partitions x 8 = 64: 16 SMs x 4
     assert configs.choose_subsplits(many, 1, 64, 512, 16) == 4      # 64 partitions x 4: the reduce's 256 splits
 
 
