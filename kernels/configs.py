@@ -40,10 +40,11 @@ PIPELINE_STAGES = (3, 2)  # most preferred first
 # v1's splits fill a wave of 4 programs per SM: with K loaded in memory order the sweep of split counts
 # (mid_splits.json, pps.json) was fastest at ~512 programs on the H200's 132 SMs, e.g. grouped 32 x 2048
 # 2 splits 79.3 us, 4 splits 81.9; (64, 8) 32 x 2048 81.6 us at 4 per SM against 86.4 at 8; 8 x 8192
-# 79.4 (8 splits) against 80.7 (16). v2's sub-splits fill the same wave: an H100 sweep of their count on 27
-# v2 rows (results/nvidia-h100-80gb-hbm3/v2_subs_sweep.json) found 8 per SM 0.5-1.4 us slower than 4 on 16
-# rows (grouped 1 x 8192 27.3 -> 26.5 us, 8 x 2048 41.9 -> 40.6, MHA 1 x 2048 26.9 -> 26.1) and no row faster
-# by more than 0.4 us; an earlier H200 run of 1 x 32768 alone had 8 per SM 0.8 us ahead (51.6 -> 50.8).
+# 79.4 (8 splits) against 80.7 (16). v2's sub-splits fill the same wave: in an H100 sweep of their count on 27
+# v2 rows (results/nvidia-h100-80gb-hbm3/v2_subs_sweep.json) 14 rows change with it, and 4 per SM was faster than
+# 8 on 13 of them by 0.3-1.4 us (grouped 1 x 8192 27.3 -> 26.5 us, 8 x 2048 41.9 -> 40.6, MHA 1 x 2048 26.9 ->
+# 26.1), 0.26 us slower on (32, 8) 1 x 32768 (65.0 -> 65.2). The H200 figure behind the old 8 per SM was that
+# row alone, 0.8 us slower at 4 (50.8 -> 51.6 us); no other row was timed at 4 there.
 PROGRAMS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SUBSPLITS = 8  # v2: a 512-token partition in 64-token sub-splits at most
