@@ -1,5 +1,6 @@
-"""The A/B harnesses (``benchmarks/ab_torch_backend.py``, ``ab_triton_backend.py``) on the CPU: their argument
-errors, the baseline loader, and the contiguous K/V that the Triton one times SDPA on (no timing: they need a GPU)."""
+"""The A/B harnesses (``benchmarks/ab_torch_backend.py``, ``ab_triton_backend.py``) and the sub-split sweep
+(``sweep_v2_subsplits.py``) on the CPU: their argument errors, the baseline loader, the sweep's forced count, and the
+contiguous K/V that the Triton A/B times SDPA on (no timing: they need a GPU)."""
 
 import subprocess
 import sys
@@ -30,6 +31,32 @@ def test_bad_arguments_name_the_argument(script, tmp_path):
     assert result.returncode == 2 and "--rounds: must be at least 1; got 0" in result.stderr
     result = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "holds no kernels/__init__.py" in result.stderr
+
+
+def test_sub_split_sweep_checks_its_arguments_and_needs_a_gpu(tmp_path):
+    run = [sys.executable, str(BENCHMARKS / "sweep_v2_subsplits.py"), "--results-dir", str(tmp_path)]
+    result = subprocess.run(run + ["--rep-ms", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--rep-ms: must be positive; got 0.0" in result.stderr
+    result = subprocess.run(run + ["--dtype", "fp8"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "argument --dtype: invalid choice: 'fp8'" in result.stderr
+    if not torch.cuda.is_available():
+        result = subprocess.run(run, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and "it needs a CUDA device" in result.stderr
+        assert not list(tmp_path.iterdir())
+
+
+def test_sub_split_sweep_forces_the_count_only_while_set():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import sweep_v2_subsplits
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    choose, forced = sweep_v2_subsplits.forced_subsplits(lambda *args: 8)
+    assert choose(None, 8, 4, 512, 16) == 8
+    forced["subs"] = 2
+    assert choose(None, 8, 4, 512, 16) == 2
+    forced["subs"] = None
+    assert choose(None, 8, 4, 512, 16) == 8
 
 
 def test_entry_points_are_checked(harnesses, tmp_path):
