@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""v2's sub-splits per 512-token partition, forced to each count, against the rule's pick, v1 and SDPA, on a CUDA device.
+"""v2's sub-splits per 512-token partition forced to each count, against the rule's pick, v1 and SDPA (CUDA).
 
 Run from the repository root: ``python benchmarks/sweep_v2_subsplits.py``. Each row (head 128, block 16, random block
 tables, full-length sequences, ``ab_torch_backend.make_call``) runs the Triton backend's v2 with
@@ -41,7 +41,8 @@ def forced_subsplits(rule):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=sorted(ab_torch_backend.DTYPES), default="fp16", help="query and cache dtype")
+    parser.add_argument("--dtype", choices=sorted(ab_torch_backend.DTYPES), default="fp16",
+                        help="query and cache dtype")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per row after a warm-up one (default 3)")
     parser.add_argument("--rep-ms", type=float, default=40.0, help="do_bench's repetition budget per timing (ms)")
     parser.add_argument("--results-dir", default=".", help="where v2_subs_sweep[-TAG].json goes (default: here)")
