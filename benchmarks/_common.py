@@ -123,6 +123,20 @@ def bench_us(fn, device, warmup_ms, rep_ms):
     return 1e6 * statistics.median(times)
 
 
+def interleaved_samples(calls, measure, rounds, warmup_rounds=1):
+    """``{name: [measure(fn), ...]}`` for each of ``calls`` (name -> fn), over ``warmup_rounds + rounds`` rounds
+    that alternate the calls' order (reversed, then as given, ...), so that no call always goes first; the
+    warm-up rounds' samples are dropped."""
+    samples = {name: [] for name in calls}
+    order = list(calls.items())
+    for round_index in range(warmup_rounds + rounds):
+        for name, fn in (order if round_index % 2 else order[::-1]):
+            sample = measure(fn)
+            if round_index >= warmup_rounds:
+                samples[name].append(sample)
+    return samples
+
+
 def few_calls_us(fn, device, calls):
     """Median of ``calls`` synchronised calls in microseconds, for calls too slow for ``bench_us``."""
     times = []

@@ -111,13 +111,8 @@ def main():
         for name, forward in versions.items():
             forward(call)
             outputs[name] = call.out.float()
-        samples = {name: [] for name in versions}
-        for round_index in range(args.rounds + 2):
-            order = list(versions.items())
-            for name, forward in (order if round_index % 2 else order[::-1]):
-                sample = timed(forward, call, flush)
-                if round_index >= 2:
-                    samples[name].append(sample)
+        samples = _common.interleaved_samples(versions, lambda forward: timed(forward, call, flush), args.rounds,
+                                              warmup_rounds=2)
         entry = {"row": f"{dtype} {heads} {seqs}x{tokens} {op}", "kv_bytes": kv_bytes,
                  "max_abs_diff_out": float((outputs["baseline"] - outputs["checkout"]).abs().max())}
         for name, timings in samples.items():

@@ -6,9 +6,9 @@ other checkout's ``kernels`` package (``git archive <commit> kernels | tar -x -C
 block 16, random block tables, full-length sequences, ``ab_torch_backend.make_call``) is one validated call
 timed with ``triton.testing.do_bench`` (median, L2 flushed before each call) in interleaved rounds: the
 baseline's ``forward``, this checkout's, and SDPA on the same K/V made contiguous; each row's figure is the
-median over rounds. Also per row: the split count of this checkout's plan (v2: partitions x sub-splits), each version's host time per call
-(CPU clock, ``_common.host_call_us``), its largest difference from SDPA, and how many of 100 repeated calls
-differ bit for bit from the first.
+median over rounds. Also per row: the split count of this checkout's plan (v2: partitions x sub-splits), each
+version's host time per call (CPU clock, ``_common.host_call_us``), its largest difference from SDPA, and how
+many of 100 repeated calls differ bit for bit from the first.
 Writes ``<results-dir>/triton_ab[-TAG].json`` and prints one line per row.
 """
 import argparse
@@ -112,13 +112,8 @@ def main():
                            "repeats_differing": differing,
                            "host_us": _common.host_call_us(lambda: forward(call), device, 200)}
             calls[name] = (lambda forward: lambda: forward(call))(forward)
-        samples = {name: [] for name in calls}
-        for round_index in range(args.rounds + 1):
-            order = list(calls.items())
-            for name, fn in (order if round_index % 2 else order[::-1]):
-                sample = _common.bench_us(fn, device, args.rep_ms / 4, args.rep_ms)
-                if round_index:
-                    samples[name].append(sample)
+        samples = _common.interleaved_samples(calls, lambda fn: _common.bench_us(fn, device, args.rep_ms / 4,
+                                                                                 args.rep_ms), args.rounds)
         for name, timings in samples.items():
             entry.setdefault(name, {})["us"] = statistics.median(timings)
             entry[name]["rounds_us"] = timings

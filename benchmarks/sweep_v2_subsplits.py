@@ -84,13 +84,8 @@ def main():
                 forced["subs"] = None
                 entry[name + "_err"] = float((v2.out.float() - expected).abs().max())
                 calls[name] = (lambda forward: lambda: forward(v2))(forward)
-            samples = {name: [] for name in calls}
-            for round_index in range(args.rounds + 1):
-                order = list(calls.items())
-                for name, fn in (order if round_index % 2 else order[::-1]):
-                    sample = _common.bench_us(fn, device, args.rep_ms / 4, args.rep_ms)
-                    if round_index:
-                        samples[name].append(sample)
+            samples = _common.interleaved_samples(calls, lambda fn: _common.bench_us(fn, device, args.rep_ms / 4,
+                                                                                     args.rep_ms), args.rounds)
             for name, timings in samples.items():
                 entry[name] = round(statistics.median(timings), 2)
             print(f"{entry['row']:28s} rule {entry['rule_subs']}  " + "  ".join(

@@ -59,6 +59,19 @@ def test_sub_split_sweep_forces_the_count_only_while_set():
     assert choose(None, 8, 4, 512, 16) == 8
 
 
+def test_rounds_alternate_the_order_and_drop_the_warm_up():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    seen = []
+    samples = _common.interleaved_samples({"a": "A", "b": "B"}, lambda fn: seen.append(fn) or len(seen), 2,
+                                          warmup_rounds=2)
+    assert seen == ["B", "A", "A", "B", "B", "A", "A", "B"]
+    assert samples == {"a": [6, 7], "b": [5, 8]}
+
+
 def test_entry_points_are_checked(harnesses, tmp_path):
     _, ab_triton_backend = harnesses
     assert {row[4] for row in ab_triton_backend.ROWS} == set(ab_triton_backend.ENTRY_POINTS)
