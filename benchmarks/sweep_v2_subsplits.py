@@ -74,7 +74,7 @@ def main():
             calls["v1"] = (lambda forward: lambda: forward(v1))(forward)
             partitions = -(-tokens // PARTITION_SIZE)
             for subs in (None,) + FORCED_COUNTS:
-                if subs and configs._next_power_of_2(partitions) * subs > configs.REDUCE_MAX_SPLITS:
+                if subs and not configs.subsplits_fit_reduce_tile(partitions, subs):
                     continue
                 name = f"v2_subs{subs}" if subs else "v2_rule"
                 forward = paged_attention_triton.make_forward(limits)

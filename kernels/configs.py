@@ -248,10 +248,16 @@ def choose_subsplits(limits, programs, partitions, partition_size, block_n):
     wave = limits.multiprocessor_count * PROGRAMS_PER_SM
     subs = 1
     while (subs < MAX_SUBSPLITS and programs * partitions * subs * 2 <= wave
-           and _next_power_of_2(partitions) * subs * 2 <= REDUCE_MAX_SPLITS  # one tile in partition_reduce_tile
+           and subsplits_fit_reduce_tile(partitions, subs * 2)
            and partition_size // (subs * 2) >= MIN_TOKENS_PER_SPLIT and (partition_size // (subs * 2)) % block_n == 0):
         subs *= 2
     return subs
+
+
+def subsplits_fit_reduce_tile(partitions, subs):
+    """Whether ``_partition_reduce_kernel`` loads every partition's ``subs`` sub-splits in one tile
+    (``partition_reduce_tile``): at most ``REDUCE_MAX_SPLITS`` of them, partitions padded to a power of 2."""
+    return _next_power_of_2(partitions) * subs <= REDUCE_MAX_SPLITS
 
 
 def reduce_tile(num_splits, head_size):
