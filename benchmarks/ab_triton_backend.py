@@ -21,7 +21,6 @@ import _common  # noqa: E402  (benchmarks/ beside this file)
 import ab_torch_backend  # noqa: E402
 import bench_paged_attention  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from kernels import paged_attention_triton  # noqa: E402
 from kernels.limits import DeviceLimits  # noqa: E402
 
@@ -64,11 +63,13 @@ REPEATS = 100
 
 
 def contiguous_sdpa(call):
-    """SDPA on the call's K/V made contiguous (``bench_paged_attention.contiguous_kv``), one query per sequence."""
+    """SDPA on the call's K/V made contiguous (``bench_paged_attention.contiguous_kv``), one query per sequence
+    (``bench_paged_attention.decode_sdpa``); its output reshapes to ``call.out``'s shape."""
     key, value = bench_paged_attention.contiguous_kv(call.key_cache, call.value_cache, call.block_tables,
                                                      call.max_seq_len)
-    query = call.query.unsqueeze(2)
-    return lambda: F.scaled_dot_product_attention(query, key, value, scale=call.scale, enable_gqa=True)
+    sdpa, _ = bench_paged_attention.decode_sdpa(call.query, key, value, call.scale,
+                                                bench_paged_attention.sdpa_supports_gqa())
+    return sdpa
 
 
 def main():
@@ -96,7 +97,7 @@ def main():
     for dtype, heads, seqs, tokens, op in (row for row in ROWS if row[4] in entry_points):
         call, kv_bytes = ab_torch_backend.make_call(ab_torch_backend.DTYPES[dtype], heads, seqs, tokens, op, device)
         sdpa = contiguous_sdpa(call)
-        expected = sdpa().squeeze(2).float()
+        expected = sdpa().reshape(call.out.shape).float()
         entry = {"row": f"{dtype} {heads} {seqs}x{tokens} {op}", "kv_bytes": kv_bytes,
                  "splits": paged_attention_triton._plan(call, limits).splits_for(call)[0]}
         calls = {"sdpa": sdpa}

@@ -12,7 +12,7 @@ Per row:
   triton_smem<N>_*        the same with DeviceLimits(shared memory = N) (--shared-memory-limit N);
   torch                   our PyTorch backend through vLLM's pick, with its peak extra device memory;
   sdpa                    torch.nn.functional.scaled_dot_product_attention on the same K/V made contiguous
-                          (one query per sequence; GQA through enable_gqa, else by repeating K/V).
+                          (one query per sequence; GQA through enable_gqa, else as grouped queries).
 Times are medians in us (CUDA: triton.testing.do_bench, L2 flushed before each call; v2's scratch buffers
 are allocated once, outside the timer). GB/s counts the K+V bytes read once (query, output and block tables
 are not counted: they are < 0.5% of the bytes on every row of at least 1 MB). "% copy" is that against a
@@ -35,6 +35,7 @@ Examples:
 """
 
 import argparse
+import functools
 import importlib
 import math
 import os
@@ -254,7 +255,7 @@ def vllm_uses_v1(num_seqs, num_heads, max_seq_len):
     return max_seq_len <= 8192 and (max_num_partitions == 1 or num_seqs * num_heads > 512)
 
 
-def plan_rows(args, device, sdpa_needs_repeat):
+def plan_rows(args, device):
     """The grid's rows in run order, and the skipped ones with their reasons."""
     import torch
 
@@ -271,8 +272,7 @@ def plan_rows(args, device, sdpa_needs_repeat):
                            "num_seqs": num_seqs, "seq_len": seq_len,
                            "kv_bytes": kv_bytes(num_seqs, seq_len, num_kv_heads, element_size),
                            "vllm_entry": "v1" if vllm_uses_v1(num_seqs, num_heads, seq_len) else "v2"}
-                    # The cache itself, plus SDPA's contiguous copy of it (repeated per query head without
-                    # enable_gqa, though then only SDPA is dropped when that alone does not fit).
+                    # The cache itself, plus SDPA's contiguous copy of it.
                     needed = 2 * row["kv_bytes"] + MEMORY_MARGIN_BYTES
                     if row["kv_bytes"] > args.max_kv_gb * 1e9:
                         skipped.append(dict(row, reason=f"K+V {row['kv_bytes'] / 1e9:.1f} GB > "
@@ -281,7 +281,6 @@ def plan_rows(args, device, sdpa_needs_repeat):
                         skipped.append(dict(row, reason=f"needs {needed / 1e9:.1f} GB (cache + SDPA copy + margin),"
                                                         f" {free / 1e9:.1f} GB free"))
                     else:
-                        row["sdpa_repeats_kv"] = sdpa_needs_repeat and num_heads != num_kv_heads
                         rows.append(row)
     return rows, skipped
 
@@ -388,6 +387,7 @@ class CachePool:
         return torch.stack(outputs)
 
 
+@functools.lru_cache(maxsize=None)
 def sdpa_supports_gqa():
     """Whether this torch's scaled_dot_product_attention takes enable_gqa (2.5+)."""
     import torch
@@ -400,6 +400,24 @@ def sdpa_supports_gqa():
     except TypeError:
         return False
     return True
+
+
+def decode_sdpa(query, key, value, scale, gqa):
+    """SDPA over one decode query per sequence: ``query`` [seqs, heads, head_size] against contiguous ``key`` /
+    ``value`` [seqs, kv_heads, tokens, head_size]. Returns (a call, how grouped-query heads were passed); the
+    call's output reshapes to ``query``'s shape. Without ``gqa`` (enable_gqa, torch 2.5+) a KV head's query heads
+    go in as that many queries of one sequence: the same attention (there is no mask), K/V still read once."""
+    import torch.nn.functional as F
+
+    seqs, heads, head_size = query.shape
+    kv_heads = key.shape[1]
+    if heads == kv_heads:
+        q, extra, how = query.unsqueeze(2), {}, "none needed"
+    elif gqa:
+        q, extra, how = query.unsqueeze(2), {"enable_gqa": True}, "enable_gqa"
+    else:
+        q, extra, how = query.reshape(seqs, kv_heads, heads // kv_heads, head_size), {}, "grouped queries"
+    return (lambda: F.scaled_dot_product_attention(q, key, value, scale=scale, **extra)), how
 
 
 def errors(out, ref):
@@ -535,32 +553,13 @@ class RowRunner:
 
     def _run_sdpa(self, row, pool, query, block_tables, scale, reference, results, notes):
         import torch
-        import torch.nn.functional as F
 
-        group = row["num_heads"] // row["num_kv_heads"]
-        if row["sdpa_repeats_kv"] and self.device.type == "cuda":
-            needed = row["kv_bytes"] * (1 + group) + MEMORY_MARGIN_BYTES
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if needed > free + row["kv_bytes"]:  # the contiguous copy itself is freed once repeated
-                results["sdpa"] = {"failed": f"skipped: K/V repeated {group}x for GQA needs {needed / 1e9:.1f} GB",
-                                   "ok": False}
-                notes.append("SDPA skipped (no enable_gqa in this torch; repeated K/V does not fit)")
-                return None
         result = {}
         key = value = None
         try:
             key, value = pool.contiguous(block_tables, row["seq_len"])
-            if group > 1 and not self.gqa:
-                key = key.repeat_interleave(group, dim=1)
-                value = value.repeat_interleave(group, dim=1)
-            q = query.unsqueeze(2)  # [num_seqs, num_heads, 1, head_size]: one decode query per sequence
-            extra = {"enable_gqa": True} if group > 1 and self.gqa else {}
-
-            def call():
-                return F.scaled_dot_product_attention(q, key, value, scale=scale, **extra)
-
-            sdpa_out = call().squeeze(2)
-            result["gqa"] = "enable_gqa" if extra else ("repeated K/V" if group > 1 else "none needed")
+            call, result["gqa"] = decode_sdpa(query, key, value, scale, self.gqa)
+            sdpa_out = call().reshape(query.shape)
             result["rel_err_vs_fp32"], result["max_abs_err_vs_fp32"] = errors(sdpa_out[:reference.shape[0]],
                                                                               reference)
             result["tolerance"] = TOLERANCE[row["dtype"]]
@@ -664,8 +663,9 @@ def main(argv=None):
     use_sdpa = args.backends is None or "sdpa" in args.backends
     gqa = sdpa_supports_gqa()
     if not gqa:
-        notes.append("This torch's SDPA has no enable_gqa: K/V are repeated per query head for it.")
-    rows, skipped = plan_rows(args, device, not gqa)
+        notes.append("This torch's SDPA has no enable_gqa: a KV head's query heads are passed to it as that many "
+                      "queries.")
+    rows, skipped = plan_rows(args, device)
     warmup_ms, rep_ms = choose_timing(args, rows, series, use_sdpa, device)
     estimate = estimate_seconds(rows, series, use_sdpa, device, warmup_ms, rep_ms)
     print(f"{len(rows)} rows ({len(skipped)} skipped) on {_common.device_name(device)}; series: "

@@ -16,7 +16,7 @@ import kernels
 from kernels import paged_attention_triton as pat
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from bench_paged_attention import BLOCK_SIZE, HEAD_SIZE, CachePool  # noqa: E402
+from bench_paged_attention import BLOCK_SIZE, HEAD_SIZE, CachePool, decode_sdpa, sdpa_supports_gqa  # noqa: E402
 
 if not torch.cuda.is_available():
     sys.exit("timer_floor.py times GPU kernels: it needs a CUDA device (torch.cuda.is_available() is false)")
@@ -78,8 +78,7 @@ for heads, ns, L in rows():
     args = (pool.key, pool.value, heads[1], HEAD_SIZE ** -0.5, tables, lens, BLOCK_SIZE, L, None, "auto", 1.0, 1.0)
     full = lambda: backend.paged_attention_v1(out, q, *args)
     kc, vc = pool.contiguous(tables, L)
-    qs = q.view(ns, heads[0], 1, HEAD_SIZE)
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, kc, vc, enable_gqa=heads[0] != heads[1])
+    sdpa, _ = decode_sdpa(q, kc, vc, HEAD_SIZE ** -0.5, sdpa_supports_gqa())
     full()
     rec = {"heads": heads, "ns": ns, "L": L, "kv_mb": 2 * pool.key.numel() * pool.key.element_size() / 1e6}
     for fname, flush in (("dirty", flush_dirty), ("clean", flush_clean)):

@@ -97,7 +97,7 @@ def test_markdown_and_plot_written(cpu_run):
 
 def test_full_grid_plan(bench):
     args = bench.parse_args(["--device", "cpu"])
-    rows, skipped = bench.plan_rows(args, torch.device("cpu"), sdpa_needs_repeat=False)
+    rows, skipped = bench.plan_rows(args, torch.device("cpu"))
     assert len(rows) + len(skipped) == 2 * 3 * 6 * 4
     # Only (32, 32) heads at 128 and 256 x 32768 tokens exceed 40 GB of K+V, in both dtypes.
     assert sorted((r["dtype"], r["num_kv_heads"], r["num_seqs"], r["seq_len"]) for r in skipped) == [
@@ -115,6 +115,37 @@ def test_full_grid_plan(bench):
 ])
 def test_vllm_entry_point_rule(bench, num_seqs, num_heads, max_seq_len, expected):
     assert bench.vllm_uses_v1(num_seqs, num_heads, max_seq_len) is expected
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_sdpa_without_enable_gqa_passes_grouped_queries(bench, heads):
+    """Torch before 2.5 (the BI-V100's 2.1) has no enable_gqa: a KV head's query heads go to SDPA as that many
+    queries of one sequence. Same answer as enable_gqa and as attention written out, and K/V are not repeated."""
+    num_heads, num_kv_heads = heads
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(3, num_heads, 64, generator=generator)
+    key = torch.randn(3, num_kv_heads, 40, 64, generator=generator)
+    value = torch.randn(3, num_kv_heads, 40, 64, generator=generator)
+    grouped, how = bench.decode_sdpa(query, key, value, 0.125, gqa=False)
+    assert how == ("grouped queries" if num_heads != num_kv_heads else "none needed")
+    out = grouped().reshape(query.shape)
+    kv_of_head = torch.arange(num_heads) // (num_heads // num_kv_heads)  # vLLM's query head -> KV head
+    weights = torch.einsum("shd,shtd->sht", query, key[:, kv_of_head]).mul(0.125).softmax(-1)
+    torch.testing.assert_close(out, torch.einsum("sht,shtd->shd", weights, value[:, kv_of_head]))
+    if bench.sdpa_supports_gqa():
+        with_gqa, _ = bench.decode_sdpa(query, key, value, 0.125, gqa=True)
+        torch.testing.assert_close(out, with_gqa().reshape(query.shape))
+
+
+def test_rows_run_sdpa_without_enable_gqa(bench):
+    runner = bench.RowRunner(bench.parse_args([]), torch.device("cpu"), [], use_sdpa=True, gqa=False,
+                             warmup_ms=0, rep_ms=1, copy_gbps=1.0)
+    row = {"dtype": "fp32", "num_heads": 8, "num_kv_heads": 2, "num_seqs": 2, "seq_len": 48,
+           "kv_bytes": bench.kv_bytes(2, 48, 2, 4), "vllm_entry": "v1"}
+    generator = torch.Generator().manual_seed(0)
+    results, _ = runner.run(row, bench.CachePool(torch.float32, 2, 16, torch.device("cpu"), generator), generator)
+    assert results["sdpa"]["gqa"] == "grouped queries"
+    assert results["sdpa"]["ok"] and results["sdpa"]["rel_err_vs_fp32"] < 1e-5, results["sdpa"]
 
 
 class _WrongBackend:
@@ -141,7 +172,7 @@ def test_wrong_and_failing_backends_are_flagged(bench):
     runner = bench.RowRunner(bench.parse_args([]), device, series, use_sdpa=True, gqa=bench.sdpa_supports_gqa(),
                              warmup_ms=0, rep_ms=1, copy_gbps=1.0)
     row = {"dtype": "fp16", "num_heads": 4, "num_kv_heads": 2, "num_seqs": 2, "seq_len": 48,
-           "kv_bytes": bench.kv_bytes(2, 48, 2, 2), "vllm_entry": "v1", "sdpa_repeats_kv": False}
+           "kv_bytes": bench.kv_bytes(2, 48, 2, 2), "vllm_entry": "v1"}
     generator = torch.Generator().manual_seed(0)
     pool = bench.CachePool(torch.float16, 2, 16, device, generator)
     results, _ = runner.run(row, pool, generator)
