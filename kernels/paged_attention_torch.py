@@ -281,21 +281,36 @@ _FILL_WORD_BYTES = 16
 
 
 class _Source:
-    """One cache as the gathers read it: in words, permuted so that its blocks lie along ``dim``."""
+    """One cache as the gathers read it: in words, permuted so that its blocks lie along ``dim``.
+    ``stored_order``: the permutation back to the cache's own layout (blocks first), for ``_gather`` on
+    the CPU."""
 
-    __slots__ = ("words", "dim", "dtype")
+    __slots__ = ("words", "dim", "dtype", "stored_order", "on_cpu")
 
     def __init__(self, cache, order, word_bytes):
         self.words = _as_words(cache, word_bytes).permute(order)
         self.dim = order.index(0)
         self.dtype = cache.dtype
+        self.stored_order = tuple(order.index(dim) for dim in range(len(order)))
+        self.on_cpu = cache.device.type == "cpu"
 
 
 def _gather(source, blocks, dtype, fp8_table):
     """The ``_Source``'s ``blocks`` in its permuted layout as a contiguous ``dtype`` tensor: one index_select
     of words, then (where needed) one conversion or, for fp8 bits, one lookup in ``fp8_table`` (vLLM's
-    decoded, scaled, rounded values)."""
-    picked = torch.index_select(source.words, source.dim, blocks).view(source.dtype)
+    decoded, scaled, rounded values). On the CPU, index_select makes a strided source contiguous first (a
+    copy of the whole cache per gather, torch 2.1 to 2.13: 0.7 s for a 2 GB cache where the blocks read
+    take 4 ms); there the blocks are picked along the cache's own first dimension, written through a
+    permuted view of the result. CUDA's reads the strides: one pass as it is."""
+    if source.on_cpu:
+        shape = list(source.words.shape)
+        shape[source.dim] = blocks.numel()
+        picked = torch.empty(shape, dtype=source.words.dtype)
+        torch.index_select(source.words.permute(source.stored_order), 0, blocks,
+                           out=picked.permute(source.stored_order))
+        picked = picked.view(source.dtype)
+    else:
+        picked = torch.index_select(source.words, source.dim, blocks).view(source.dtype)
     if fp8_table is not None:
         return fp8.lookup(fp8_table, picked)
     return picked if picked.dtype == dtype else picked.to(dtype)
