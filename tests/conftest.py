@@ -17,6 +17,28 @@ if not HAS_CUDA:
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def interpreter_runs_kernels():
+    """Whether this machine can run our Triton kernels: on a GPU, or in Triton 3's interpreter (2.x's, the
+    BI-V100's 2.3.1, cannot: its ``tl.multiple_of`` takes no scalar). Read from metadata: importing triton here
+    would fix the interpreter choice too early."""
+    from importlib import metadata
+    try:
+        major = int(metadata.version("triton").split(".")[0])
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+    return HAS_CUDA or major >= 3
+
+
+def cli_runner():
+    """A click ``CliRunner`` whose result keeps stdout and stderr apart (``result.stdout``, ``result.stderr``):
+    click 8.2+ always does; 8.0-8.1 (the newest for Python 3.8) need ``mix_stderr=False``, which 8.2 removed."""
+    from click.testing import CliRunner
+    try:
+        return CliRunner(mix_stderr=False)
+    except TypeError:
+        return CliRunner()
+
+
 def golden_dir():
     """``BIV100_GOLDEN_DIR``, else ``../shared/golden`` beside the checkout."""
     configured = os.environ.get("BIV100_GOLDEN_DIR")
@@ -37,10 +59,14 @@ SPREAD_PER_TEST = {"test_paged_attention_triton.py"}
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA-like device")
     skip_cpu_machine = pytest.mark.skip(reason="asserts a machine without a GPU")
+    skip_kernels = pytest.mark.skip(reason="runs Triton kernels: needs a GPU or Triton 3's interpreter")
+    runs_kernels = interpreter_runs_kernels()
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
         if "cpu_machine" in item.keywords and HAS_CUDA:
             item.add_marker(skip_cpu_machine)
+        if "triton_kernels" in item.keywords and not runs_kernels:
+            item.add_marker(skip_kernels)
         if item.path.name not in SPREAD_PER_TEST:
             item.add_marker(pytest.mark.xdist_group(item.path.name))

@@ -5,6 +5,7 @@ child process (named ``tests.probe_fakes:NAME``); ``passing_ladder`` replaces th
 
 import os
 import time
+import types
 
 BI_V100 = {"index": 0, "name": "Iluvatar BI-V100", "capability": [7, 0], "multiprocessor_count": 16,
            "total_memory": 34057748480, "uuid": "GPU-fake-bi-v100-0", "warp_size": 64,
@@ -36,18 +37,31 @@ def crashing_step(context):
     os._exit(7)
 
 
+def _store_three(x_ptr):
+    tl.store(x_ptr + tl.arange(0, 3), 1.0)  # noqa: F821 (``tl`` comes with broken_compile_step's globals)
+
+
 def broken_compile_step(context):
-    """A real Triton compile error: ``tl.arange`` over 3 elements (not a power of two), for 7.0."""
+    """A real Triton compile error: ``tl.arange`` over 3 elements (not a power of two), for 7.0. Triton 3 finds
+    it in its front end (CompilationError); 2.x (the BI-V100's 2.3.1) when its TTIR passes verify the module
+    (RuntimeError: PassManager::run failed). The kernel gets ``tl`` as a global: 2.x resolves names there only."""
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
-    def store_three(x_ptr):
-        tl.store(x_ptr + tl.arange(0, 3), 1.0)
-
-    source = triton.compiler.ASTSource(fn=JITFunction(store_three), signature={"x_ptr": "*fp32"}, constexprs={})
-    triton.compile(source, target=GPUTarget("cuda", 70, 32))
+    kernel = JITFunction(types.FunctionType(_store_three.__code__, {"tl": tl}, "store_three"))
+    if int(triton.__version__.split(".")[0]) >= 3:
+        from triton.backends.compiler import GPUTarget
+        source = triton.compiler.ASTSource(fn=kernel, signature={"x_ptr": "*fp32"}, constexprs={})
+        triton.compile(source, target=GPUTarget("cuda", 70, 32))
+    else:
+        from triton.compiler.backends.cuda import CUDABackend
+        backend = CUDABackend(("cuda", 70))
+        options = backend.parse_options({})
+        source = triton.compiler.ASTSource(kernel, {0: "*fp32"})
+        stages = {}
+        backend.add_stages(stages, options)
+        stages["ttir"](source.make_ir(options), {**options.__dict__, **source.metadata()})
 
 
 def passed(number, name, details=None):

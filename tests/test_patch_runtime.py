@@ -80,6 +80,7 @@ def warnings_of(caplog):
     return [r for r in caplog.records if r.name == "biv100_patch" and r.levelno == logging.WARNING]
 
 
+@pytest.mark.triton_kernels
 def test_failure_falls_back_once_and_shape_stays_on_torch(ops, flaky, caplog, monkeypatch, device):
     monkeypatch.delenv("BIV100_PATCH_STRICT", raising=False)
     case = paged_case(device, torch.float32, [40, 530], head_size=80)
@@ -147,6 +148,7 @@ def test_torch_primary_has_no_fallback_path(device):
     assert ops.routed == {} and ops.name == "torch"
 
 
+@pytest.mark.triton_kernels
 def test_a_variant_the_probe_excluded_runs_on_torch_from_its_first_call(caplog, monkeypatch, device):
     """The probe's ``excluded_variants``: the Triton backend refuses their calls before writing anything, and
     the shape is routed to torch (one warning, one event) with a correct result; other variants stay on Triton."""

@@ -15,6 +15,7 @@ from biv100_patch import probe
 from biv100_patch.probe import decide, ladder, record, settings
 from biv100_patch.probe_command import probe_command
 
+from tests.conftest import cli_runner
 from tests.probe_fakes import BI_V100, passing_ladder
 from tests.probe_fixtures import fake_gpu, no_accelerator, state  # noqa: F401 (fixtures)
 
@@ -256,7 +257,7 @@ def test_cli_aot_report_judges_shared_memory(state, monkeypatch):
                         types.SimpleNamespace(compile_variants=compile_variants))
     import biv100_patch.kernels
     monkeypatch.setattr(biv100_patch.kernels, "variants", sys.modules["biv100_patch.kernels.variants"], raising=False)
-    result = CliRunner().invoke(probe_command, ["--target-capability", "7.0", "--json"])
+    result = cli_runner().invoke(probe_command, ["--target-capability", "7.0", "--json"])
     assert calls == [((7, 0), 49152)] and result.exit_code == 1
     document = json.loads(result.stdout)
     assert document["target"] == {"capability": "7.0", "shared_memory_limit": 49152}
@@ -271,6 +272,7 @@ CPU_CONTEXT = {"device": {"index": None}, "device_index": 0, "results": {}}
 
 
 @pytest.mark.cpu_machine  # the interpreter is chosen when triton is first imported: on a GPU machine it was not
+@pytest.mark.triton_kernels
 def test_variants_step_compares_triton_with_torch_on_the_interpreter(monkeypatch):
     # Ladder step 3 with the real kernels (B's Triton backend in the interpreter) on two variants.
     from biv100_patch.probe import steps
@@ -500,6 +502,7 @@ def test_step_3_runs_a_v2_batch_whose_partitions_stay_whole(monkeypatch):
             assert subs[0] > 1 and subs[1] == 1, (device_limits, batch, subs)
 
 
+@pytest.mark.triton_kernels
 def test_step_3_reduce_kernel_cases_match_the_pytorch_backend(monkeypatch, device):
     # The long v1 call and the v2 batch, run as step 3 runs them (the interpreter on a CPU): both backends agree.
     from biv100_patch.kernels import configs, get_backend, limits

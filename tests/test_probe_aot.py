@@ -6,11 +6,10 @@ list), so the test stays short; the full list is what the command compiles witho
 
 import json
 
-from click.testing import CliRunner
-
 from biv100_patch.kernels import variants
 from biv100_patch.probe_command import probe_command
 
+from tests.conftest import cli_runner
 from tests.probe_fixtures import state  # noqa: F401 (fixture)
 
 
@@ -22,7 +21,7 @@ def test_target_capability_7_0_report_from_real_compiles(state, monkeypatch):
         return [next(v for v in listed if v.kernel == "attention"), next(v for v in listed if v.kernel == "reduce")]
 
     monkeypatch.setattr(variants, "variant_list", two_variants)
-    result = CliRunner().invoke(probe_command, ["--target-capability", "7.0", "--json"])
+    result = cli_runner().invoke(probe_command, ["--target-capability", "7.0", "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     assert document["target"] == {"capability": "7.0", "shared_memory_limit": 49152}
@@ -37,6 +36,6 @@ def test_target_capability_7_0_report_from_real_compiles(state, monkeypatch):
 
 
 def test_a_limit_no_config_fits_fails_the_report(state):
-    result = CliRunner().invoke(probe_command, ["--target-capability", "7.0", "--shared-memory-limit", "1024"])
+    result = cli_runner().invoke(probe_command, ["--target-capability", "7.0", "--shared-memory-limit", "1024"])
     assert result.exit_code == 1, result.output
     assert "AOT for capability 7.0: shared_memory_per_block: no Triton config" in result.stderr
