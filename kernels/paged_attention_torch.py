@@ -49,13 +49,13 @@ discarded (``torch.where`` / ``masked_fill``, never a multiply). v1's one softma
 needs their logits too: there every slot past the end is set to -inf, in place, one pass over the
 tile's logits.
 
-Memory traffic (what the speed rests on). The gather moves whole stored runs: where the matmuls take
-the cache dtype (``mixed``, below) it is one ``index_select`` on the cache viewed as words and
-permuted: K in 16-byte words (its ``x`` runs; complex128 where the device copies those bit-exactly),
-V in 8-byte ones (pieces of its block rows), never element by element; elsewhere the blocks are
-picked as stored (whole blocks) and permuted by the copy that converts them to float32. Each K and V
-byte is thus read by the gather, written once in the matmul layout and read once by the matmul (plus
-the float32 copy without ``mixed``). Masking touches one partition of logits (v1's one softmax: all
+Memory traffic (what the speed rests on). The gather moves whole stored runs: one ``index_select``
+on the cache viewed as words and permuted: K in 16-byte words (its ``x`` runs; complex128 where the
+device copies those bit-exactly), V in 8-byte ones (pieces of its block rows), never element by
+element (on the CPU the blocks are picked along the cache's first dimension into a permuted view of
+the result: its index_select would first copy the whole permuted cache). Each K and V byte is thus
+read by the gather, written once in the matmul layout and read once by the matmul (plus a float32
+copy where the matmuls cannot take the cache dtype: without ``mixed``, below). Masking touches one partition of logits (v1's one softmax: all
 of them, once) and one block of V per sequence (plus the unused blocks after it). The float32
 logits take a few passes (bmm, max, scaled subtract, exp, sum, the rounded probabilities), each
 about ``2 * G / (head_size * element_size)`` of the K+V bytes (1/32 for fp16, G = 4, head 128).
