@@ -305,7 +305,7 @@ def _gather(source, blocks, dtype, fp8_table):
     if source.on_cpu:
         shape = list(source.words.shape)
         shape[source.dim] = blocks.numel()
-        picked = torch.empty(shape, dtype=source.words.dtype)
+        picked = torch.empty(shape, dtype=source.words.dtype, device=blocks.device)
         torch.index_select(source.words.permute(source.stored_order), 0, blocks,
                            out=picked.permute(source.stored_order))
         picked = picked.view(source.dtype)
