@@ -18,6 +18,7 @@ fi
 dest=$1
 repo=$(cd "$(dirname "$0")/.." && pwd)
 started=$SECONDS
+source "$repo/.ci/env_common.sh"
 
 find_python38() {
     local candidate
@@ -57,16 +58,9 @@ fi
 
 rm -rf "$dest"
 "$python" -m venv "$dest"
-pip_install() {
-    # pip.conf names local index directories that may be absent: drop pip's warnings about them.
-    "$dest/bin/python" -m pip install -q --disable-pip-version-check --no-input --no-compile "$@" \
-        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
 pip_install "torch==2.1.0" "numpy<2" "pytest>=7,<9.2" pytest-timeout pytest-xdist click packaging platformdirs filelock
 pip_install --no-deps "triton==2.3.1"
-mkdir -p "$repo/.ci/envs"
-flock "$repo/.ci/envs/.editable.lock" "$dest/bin/python" -m pip install -q --disable-pip-version-check --no-input \
-    --no-compile --no-deps -e "$repo" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+install_checkout
 if ! imports; then
     echo "$0: the oldest-stack env at $dest does not import torch 2.1.0, triton 2.3.1 and this checkout;" \
          "see $dest/.import-errors" >&2

@@ -18,6 +18,7 @@ dest=$2
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 started=$SECONDS
+source "$repo/.ci/env_common.sh"
 
 # Read from each release's imports on CPU torch 2.13 (see shared/notes/vllm-paged-attention.md).
 case $version in
@@ -61,12 +62,6 @@ fi
 
 rm -rf "$dest"
 "$python" -m venv "$dest"
-pip_install() {
-    # pip.conf names local index directories that may be absent: drop pip's warnings about them.
-    # --no-compile: bytecode is written on first import instead, for the few modules the tests load.
-    "$dest/bin/python" -m pip install -q --disable-pip-version-check --no-input --no-compile "$@" \
-        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
 pip_install torch==2.13.0 "${packages[@]}" "${extra[@]}"
 pip_install --no-deps "vllm==$version"
 site=$("$dest/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -74,10 +69,7 @@ if [ "$version" = 0.6.3 ]; then
     # The compiled extensions cannot load without CUDA, and a present but failing _core_C breaks vllm._core_ext.
     rm -f "$site"/vllm/*.so
 fi
-# Editable installs write build metadata into the checkout: one at a time when CI builds envs side by side.
-mkdir -p "$repo/.ci/envs"
-flock "$repo/.ci/envs/.editable.lock" "$dest/bin/python" -m pip install -q --disable-pip-version-check --no-input \
-    --no-compile --no-deps -e "$repo" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+install_checkout
 if ! imports; then
     echo "$0: the vLLM $version env at $dest does not import vllm._custom_ops; see $dest/.import-errors" >&2
     exit 1
