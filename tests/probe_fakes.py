@@ -43,8 +43,9 @@ def _store_three(x_ptr):
 
 def broken_compile_step(context):
     """A real Triton compile error: ``tl.arange`` over 3 elements (not a power of two), for 7.0. Triton 3 finds
-    it in its front end (CompilationError); 2.x (the BI-V100's 2.3.1) when its TTIR passes verify the module
-    (RuntimeError: PassManager::run failed). The kernel gets ``tl`` as a global: 2.x resolves names there only."""
+    it in its front end (CompilationError); 2.x (the BI-V100's 2.3.1, compiled as the AOT check compiles it)
+    when its TTIR passes verify the module (RuntimeError: PassManager::run failed). The kernel gets ``tl`` as a
+    global: 2.x resolves names there only."""
     import triton
     import triton.language as tl
     from triton.runtime.jit import JITFunction
@@ -55,13 +56,8 @@ def broken_compile_step(context):
         source = triton.compiler.ASTSource(fn=kernel, signature={"x_ptr": "*fp32"}, constexprs={})
         triton.compile(source, target=GPUTarget("cuda", 70, 32))
     else:
-        from triton.compiler.backends.cuda import CUDABackend
-        backend = CUDABackend(("cuda", 70))
-        options = backend.parse_options({})
-        source = triton.compiler.ASTSource(kernel, {0: "*fp32"})
-        stages = {}
-        backend.add_stages(stages, options)
-        stages["ttir"](source.make_ir(options), {**options.__dict__, **source.metadata()})
+        from biv100_patch.kernels import variants
+        variants._compile_triton_2(kernel, {"x_ptr": "*fp32"}, {}, {}, (7, 0), "llir")
 
 
 def passed(number, name, details=None):
